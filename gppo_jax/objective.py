@@ -1,0 +1,201 @@
+"""The GPPO trust-region policy loss (GPPO.md section 4).
+
+A token is out of the trust region when its divergence estimate exceeds delta; its gradient is
+stopped only when the update would push it further out (A (r - 1) > 0):
+
+  out_t = (A_t > 0 and r_t > 1 and D_t > delta_high) or (A_t < 0 and r_t < 1 and D_t > delta_low)
+  loss  = - aggregate_t( stop_gradient(1 - out_t) * r_t * A_t )
+
+With divergence="tv", estimator="mc" and delta = eps / 2 this is PPO's clipped objective (identical
+gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation over
+micro-batches reproduces the full-batch loss exactly (pass the full batch's count as `normalizer`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gppo_jax import divergences as divs
+from gppo_jax import estimators as ests
+
+Array = jax.Array
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_terms(
+  values: Array, mask: Array, aggregation: str, max_len: int | None = None
+) -> tuple[Array, Array]:
+  """(sum, count) of per-token values [B, T] such that sum / count is the aggregated mean.
+
+  token-mean: sum over valid tokens / number of valid tokens (DAPO).
+  seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
+  seq-mean-token-sum-norm: mean over sequences of each sequence's token sum / max_len (Dr.GRPO).
+  Sequences without valid tokens do not count. Sums over micro-batches split along the batch axis
+  add up to the full batch's (sum, count).
+  """
+  mask = mask.astype(jnp.float32)
+  values = values.astype(jnp.float32) * mask
+  if aggregation == "token-mean":
+    return jnp.sum(values), jnp.sum(mask)
+  tokens_per_seq = jnp.sum(mask, axis=-1)
+  has_tokens = (tokens_per_seq > 0).astype(jnp.float32)
+  if aggregation == "seq-mean-token-mean":
+    per_seq = jnp.sum(values, axis=-1) / jnp.maximum(tokens_per_seq, 1.0)
+  elif aggregation == "seq-mean-token-sum-norm":
+    norm = float(max_len if max_len is not None else values.shape[-1])
+    per_seq = jnp.sum(values, axis=-1) / norm
+  else:
+    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+  return jnp.sum(per_seq * has_tokens), jnp.sum(has_tokens)
+
+
+def _check_delta(name: str, value: Any) -> None:
+  if isinstance(value, numbers.Real) and not value > 0:
+    raise ValueError(f"{name} must be > 0 (a trust-region radius), got {value}")
+
+
+def _masked_mean(x: Array, mask: Array, count: Array) -> Array:
+  return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(count, 1.0)
+
+
+def policy_loss(
+  logp: Array,
+  logq: Array,
+  advantages: Array,
+  mask: Array,
+  *,
+  divergence: str | divs.Divergence,
+  estimator: str | ests.EstimatorFn,
+  delta_low: float | Array,
+  delta_high: float | Array | None = None,
+  aggregation: str = "token-mean",
+  max_len: int | None = None,
+  ratio_cap: float | None = None,
+  dual_clip: float | None = None,
+  ref_logp: Array | None = None,
+  kl_coef: float = 0.0,
+  entropy: Array | None = None,
+  entropy_coef: float = 0.0,
+  normalizer: Array | float | None = None,
+  estimator_kwargs: dict[str, Any] | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """GPPO's clipped surrogate loss and its metrics.
+
+  Args:
+    logp: [B, T] log pi(a_t | s_t) under the policy being optimised (carries the gradient).
+    logq: [B, T] behaviour log-probs mu(a_t | s_t) recorded at rollout time.
+    advantages: [B] (one per sequence) or [B, T].
+    mask: [B, T] bool/0-1, True for response tokens that count.
+    divergence, estimator: registry names (or objects) of the trust region's geometry.
+    delta_low, delta_high: radii for tokens pushed below / above ratio 1 (delta_high defaults to
+      delta_low).
+    aggregation: one of AGGREGATIONS; max_len is the Dr.GRPO normaliser (default: T).
+    ratio_cap: if set, the importance weight in the gradient is stop_gradient(min(r, C)) (DPPO).
+    dual_clip: if set (PPO uses 3), tokens with A < 0 and r > dual_clip are also stopped.
+    ref_logp, kl_coef: optional penalty kl_coef * k3(pi || ref) per token, same aggregation.
+    entropy, entropy_coef: optional per-token entropies [B, T] and a bonus coefficient.
+    normalizer: if given, loss = sum / normalizer (use the full batch's count under gradient
+      accumulation); otherwise loss = sum / count of this batch.
+    estimator_kwargs: extra inputs of estimators such as "topk" or "exact".
+
+  Returns:
+    (loss, metrics): metrics is a flat dict of scalars, including "loss/sum" and "loss/count".
+  """
+  if delta_high is None:
+    delta_high = delta_low
+  _check_delta("delta_low", delta_low)
+  _check_delta("delta_high", delta_high)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+  logp = jnp.asarray(logp)
+  logq = jnp.asarray(logq)
+  mask = jnp.asarray(mask)
+  if logp.ndim != 2 or logp.shape != logq.shape or logp.shape != mask.shape:
+    raise ValueError(
+      "logp, logq and mask must all be [batch, tokens]; got "
+      f"{logp.shape}, {jnp.shape(logq)}, {jnp.shape(mask)}"
+    )
+  advantages = jnp.asarray(advantages, jnp.float32)
+  if advantages.shape == logp.shape[:1]:
+    advantages = advantages[:, None]
+  elif advantages.shape != logp.shape:
+    raise ValueError(
+      f"advantages must be [batch] or [batch, tokens] = {logp.shape}, got {advantages.shape}"
+    )
+  for name, arr in (("ref_logp", ref_logp), ("entropy", entropy)):
+    if arr is not None and jnp.shape(arr) != logp.shape:
+      raise ValueError(f"{name} must have shape {logp.shape}, got {jnp.shape(arr)}")
+  div = divs.get(divergence)
+  est_fn = ests.get(estimator)
+
+  valid = mask.astype(bool)
+  logp32 = logp.astype(jnp.float32)
+  logq32 = logq.astype(jnp.float32)
+  log_ratio = logp32 - jax.lax.stop_gradient(logq32)
+  ratio = jnp.exp(log_ratio)
+  ratio_sg = jax.lax.stop_gradient(ratio)
+
+  estimate = jax.lax.stop_gradient(
+    est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
+  )
+  pos = advantages > 0
+  neg = advantages < 0
+  out_high = pos & (ratio_sg > 1.0) & (estimate > delta_high) & valid
+  out_low = neg & (ratio_sg < 1.0) & (estimate > delta_low) & valid
+  out = out_high | out_low
+  if dual_clip is not None:
+    out_dual = neg & (ratio_sg > dual_clip) & valid
+    out = out | out_dual
+  keep = jax.lax.stop_gradient(1.0 - out.astype(jnp.float32))
+
+  if ratio_cap is not None:
+    # Value min(r, C), gradient min(r, C) * grad log p.
+    weight = jnp.minimum(ratio_sg, ratio_cap) * jnp.exp(logp32 - jax.lax.stop_gradient(logp32))
+  else:
+    weight = ratio
+  per_token_policy = -keep * weight * advantages
+  per_token = per_token_policy
+
+  metrics: dict[str, Array] = {}
+  if ref_logp is not None and kl_coef:
+    # k3 estimate of KL(pi || ref) on samples from (approximately) pi.
+    log_ref_ratio = jnp.asarray(ref_logp, jnp.float32) - logp32
+    kl_ref = jnp.expm1(log_ref_ratio) - log_ref_ratio
+    per_token = per_token + kl_coef * kl_ref
+    metrics["loss/kl_ref"] = aggregate_terms(kl_ref, valid, aggregation, max_len)
+  if entropy is not None and entropy_coef:
+    ent = jnp.asarray(entropy, jnp.float32)
+    per_token = per_token - entropy_coef * ent
+    metrics["loss/entropy"] = aggregate_terms(ent, valid, aggregation, max_len)
+
+  total_sum, count = aggregate_terms(per_token, valid, aggregation, max_len)
+  denom = jnp.maximum(count, 1.0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+  loss = total_sum / denom
+
+  policy_sum, _ = aggregate_terms(per_token_policy, valid, aggregation, max_len)
+  n_tok = jnp.sum(valid.astype(jnp.float32))
+  out_metrics = {
+    "loss/total": loss,
+    "loss/policy": jax.lax.stop_gradient(policy_sum / jnp.maximum(count, 1.0)),
+    "loss/sum": jax.lax.stop_gradient(total_sum),
+    "loss/count": count,
+    "trust/masked_frac": jnp.sum(out & valid) / jnp.maximum(n_tok, 1.0),
+    "trust/masked_frac_high": jnp.sum(out_high) / jnp.maximum(n_tok, 1.0),
+    "trust/masked_frac_low": jnp.sum(out_low) / jnp.maximum(n_tok, 1.0),
+    "div/estimate_mean": _masked_mean(estimate, valid, n_tok),
+    "div/estimate_max": jnp.max(jnp.where(valid, estimate, 0.0)),
+    "ratio/mean": _masked_mean(ratio_sg, valid, n_tok),
+    "ratio/max": jnp.max(jnp.where(valid, ratio_sg, 0.0)),
+    "ratio/min": jnp.where(n_tok > 0, jnp.min(jnp.where(valid, ratio_sg, jnp.inf)), 1.0),
+    "tokens/count": n_tok,
+  }
+  if dual_clip is not None:
+    out_metrics["trust/dual_clip_frac"] = jnp.sum(out_dual) / jnp.maximum(n_tok, 1.0)
+  for key, (s, c) in metrics.items():
+    out_metrics[key] = jax.lax.stop_gradient(s / jnp.maximum(c, 1.0))
+  return loss, out_metrics
