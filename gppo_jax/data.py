@@ -1,0 +1,349 @@
+"""Prompt datasets: read JSONL/Parquet rows, validate them, render and tokenize prompts, iterate.
+
+A row is {prompt, answer} (math) or {prompt, tests} (code), with an optional id and metadata; the
+field names are configurable (`Fields`). `prompt` is a string (one user turn) or a list of chat
+messages {role, content}. Rendering goes through callables passed in (the tokenizer lives in the
+model layer): `apply_template(messages) -> str` and `encode(str) -> list[int]`.
+
+Every malformed row fails loudly with the file and line (JSONL) or row number (Parquet).
+`PromptIterator` walks shuffled epochs in batches and exposes its position (epoch, index) so a
+restored run continues with exactly the batch it would have drawn next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("math", "code")
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+  """A dataset file or row is malformed; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+  """Names of the row fields to read."""
+
+  prompt: str = "prompt"
+  answer: str = "answer"
+  tests: str = "tests"
+  id: str = "id"
+  metadata: str = "metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One prompt ready for sampling. `source` is "file:line" for error messages and logs."""
+
+  id: str
+  messages: tuple[dict, ...]
+  text: str
+  token_ids: tuple[int, ...]
+  answer: str | None
+  tests: dict | None
+  metadata: dict
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """Examples kept after filtering, with how many rows were read and dropped as too long."""
+
+  path: str
+  examples: list[Example]
+  num_rows: int
+  num_dropped_too_long: int
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+# ---------------------------------------------------------------------------------------------
+
+
+def read_rows(path: str) -> Iterator[tuple[str, dict]]:
+  """Yield (location, row) from a .jsonl/.json-lines or .parquet file; location is "path:line".
+
+  JSONL: one JSON object per line, blank lines skipped; Parquet: row numbers count from 1.
+  """
+  if not os.path.exists(path):
+    raise DataError(f"{path}: no such file")
+  if path.endswith(".parquet"):
+    yield from _read_parquet(path)
+    return
+  found = False
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      loc = f"{path}:{lineno}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(row, dict):
+        raise DataError(f"{loc}: expected a JSON object per line, got {type(row).__name__}")
+      found = True
+      yield loc, row
+  if not found:
+    raise DataError(f"{path}: file has no rows")
+
+
+def _read_parquet(path: str) -> Iterator[tuple[str, dict]]:
+  import pyarrow.parquet as pq
+
+  try:
+    table = pq.read_table(path)
+  except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+    raise DataError(f"{path}: cannot read Parquet file ({e})") from None
+  if table.num_rows == 0:
+    raise DataError(f"{path}: file has no rows")
+  for i, row in enumerate(table.to_pylist(), start=1):
+    yield f"{path}:row {i}", row
+
+
+# ---------------------------------------------------------------------------------------------
+# Validating and rendering rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _messages(
+  prompt: Any, loc: str, field: str, system_prompt: str | None, instruction: str | None
+) -> tuple[dict, ...]:
+  """Chat messages of a prompt field, with the system prompt and instruction suffix added."""
+  if isinstance(prompt, str):
+    if not prompt.strip():
+      raise DataError(f"{loc}: field {field!r} is an empty string")
+    messages = [{"role": "user", "content": prompt}]
+  elif isinstance(prompt, list) and prompt:
+    messages = []
+    for j, m in enumerate(prompt):
+      if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
+        raise DataError(
+          f"{loc}: field {field!r} message {j} must be {{'role': one of {ROLES}, "
+          f"'content': str}}, got {m!r:.200}"
+        )
+      messages.append({"role": m["role"], "content": m["content"]})
+    if messages[-1]["role"] != "user":
+      raise DataError(f"{loc}: field {field!r} must end with a user message")
+  else:
+    raise DataError(
+      f"{loc}: field {field!r} must be a non-empty string or list of chat messages, "
+      f"got {type(prompt).__name__}"
+    )
+  if instruction:
+    last = messages[-1]
+    messages[-1] = {"role": "user", "content": f"{last['content'].rstrip()}\n\n{instruction}"}
+  if system_prompt and messages[0]["role"] != "system":
+    messages.insert(0, {"role": "system", "content": system_prompt})
+  return tuple(messages)
+
+
+def _answer(value: Any, loc: str, field: str) -> str:
+  if isinstance(value, bool) or not isinstance(value, str | int | float):
+    raise DataError(
+      f"{loc}: field {field!r} must be a string or number, got {type(value).__name__}"
+    )
+  answer = str(value).strip()
+  if not answer:
+    raise DataError(f"{loc}: field {field!r} is empty")
+  return answer
+
+
+def _tests(value: Any, loc: str, field: str) -> dict:
+  """Code tests: {inputs: [...], outputs: [...]} (stdin/stdout), plus fn_name for call tests.
+
+  A JSON string holding such a dict is accepted too (LiveCodeBench-style exports).
+  """
+  if isinstance(value, str):
+    try:
+      value = json.loads(value)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{loc}: field {field!r} is a string but not JSON ({e.msg})") from None
+  if not isinstance(value, dict):
+    raise DataError(f"{loc}: field {field!r} must be a dict, got {type(value).__name__}")
+  inputs, outputs = value.get("inputs"), value.get("outputs")
+  if not isinstance(inputs, list) or not isinstance(outputs, list):
+    raise DataError(f"{loc}: field {field!r} needs list fields 'inputs' and 'outputs'")
+  if not inputs or len(inputs) != len(outputs):
+    raise DataError(
+      f"{loc}: field {field!r} needs as many outputs as inputs (and at least one), "
+      f"got {len(inputs)} inputs and {len(outputs)} outputs"
+    )
+  fn_name = value.get("fn_name")
+  if fn_name is not None and not (isinstance(fn_name, str) and fn_name.isidentifier()):
+    raise DataError(f"{loc}: field {field!r}: 'fn_name' must be a Python identifier")
+  return value
+
+
+def load_dataset(
+  path: str,
+  *,
+  task: str = "math",
+  fields: Fields = Fields(),
+  apply_template: Callable[[list[dict]], str] | None = None,
+  encode: Callable[[str], list[int]] | None = None,
+  system_prompt: str | None = None,
+  instruction: str | None = None,
+  max_prompt_tokens: int | None = None,
+  check_answers: Callable[[Sequence[str]], Sequence[str | None]] | None = None,
+  limit: int | None = None,
+) -> Dataset:
+  """Read, validate, render and length-filter a dataset file.
+
+  task: "math" rows need `fields.answer`, "code" rows need `fields.tests`.
+  apply_template: renders chat messages to the prompt text; without it the user content is used
+    as-is (base models) and list prompts with more than one message are rejected.
+  encode: tokenizer; required when max_prompt_tokens is set. Rows whose prompt has more than
+    max_prompt_tokens tokens are dropped, and the count is logged.
+  check_answers: validates all gold answers at once, returning None or a reason per answer
+    (e.g. `MathVerifier.check_golds`); the first bad one raises with its file and line.
+  limit: keep only the first `limit` rows (before length filtering).
+  """
+  if task not in TASKS:
+    raise ValueError(f"unknown task {task!r}; valid: {TASKS}")
+  if max_prompt_tokens is not None and encode is None:
+    raise ValueError("max_prompt_tokens needs an encode function")
+  examples: list[Example] = []
+  seen_ids: dict[str, str] = {}
+  num_rows = 0
+  for loc, row in read_rows(path):
+    if limit is not None and num_rows >= limit:
+      break
+    num_rows += 1
+    if fields.prompt not in row:
+      raise DataError(f"{loc}: missing field {fields.prompt!r} (row has {sorted(row)})")
+    messages = _messages(row[fields.prompt], loc, fields.prompt, system_prompt, instruction)
+    answer = tests = None
+    if task == "math":
+      if fields.answer not in row:
+        raise DataError(f"{loc}: missing field {fields.answer!r} (row has {sorted(row)})")
+      answer = _answer(row[fields.answer], loc, fields.answer)
+    else:
+      if fields.tests not in row:
+        raise DataError(f"{loc}: missing field {fields.tests!r} (row has {sorted(row)})")
+      tests = _tests(row[fields.tests], loc, fields.tests)
+    row_id = row.get(fields.id)
+    row_id = str(num_rows - 1) if row_id is None else str(row_id)
+    if row_id in seen_ids:
+      raise DataError(f"{loc}: duplicate id {row_id!r} (first at {seen_ids[row_id]})")
+    seen_ids[row_id] = loc
+    metadata = row.get(fields.metadata) or {}
+    if not isinstance(metadata, dict):
+      raise DataError(f"{loc}: field {fields.metadata!r} must be a dict")
+    if apply_template is not None:
+      text = apply_template([dict(m) for m in messages])
+      if not isinstance(text, str):
+        raise TypeError(f"apply_template returned {type(text).__name__}, expected str")
+    else:
+      if len(messages) != 1:
+        raise DataError(f"{loc}: a multi-message prompt needs apply_template (a chat template)")
+      text = messages[0]["content"]
+    token_ids = tuple(encode(text)) if encode is not None else ()
+    examples.append(Example(row_id, messages, text, token_ids, answer, tests, dict(metadata), loc))
+
+  if check_answers is not None and task == "math":
+    reasons = check_answers([e.answer for e in examples])
+    bad = [(e, r) for e, r in zip(examples, reasons, strict=True) if r is not None]
+    if bad:
+      e, reason = bad[0]
+      raise DataError(
+        f"{e.source}: gold answer {e.answer!r} rejected ({reason}); "
+        f"{len(bad)} bad answer(s) in {path}"
+      )
+
+  num_dropped = 0
+  if max_prompt_tokens is not None:
+    kept = [e for e in examples if len(e.token_ids) <= max_prompt_tokens]
+    num_dropped = len(examples) - len(kept)
+    examples = kept
+    logger.info(
+      "%s: dropped %d of %d rows with prompts over %d tokens",
+      path,
+      num_dropped,
+      num_rows,
+      max_prompt_tokens,
+    )
+  if not examples:
+    raise DataError(f"{path}: no rows left after filtering ({num_rows} read)")
+  return Dataset(path, examples, num_rows, num_dropped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Iteration
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+  """The example order of one epoch: a permutation that depends only on (seed, epoch)."""
+  order = list(range(num_examples))
+  if shuffle:
+    random.Random(f"gppo_jax.data/{seed}/{epoch}").shuffle(order)
+  return order
+
+
+class PromptIterator:
+  """Endless batches of examples over shuffled epochs; `state()`/`restore()` resume exactly.
+
+  The position is (epoch, index): index counts examples already drawn from the epoch's order.
+  An epoch's tail shorter than batch_size is skipped (each batch is full and examples are
+  never repeated within a batch).
+  """
+
+  def __init__(
+    self, examples: Sequence[Example], batch_size: int, seed: int = 0, shuffle: bool = True
+  ):
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if len(examples) < batch_size:
+      raise ValueError(f"batch_size {batch_size} exceeds the {len(examples)} examples")
+    self.examples = list(examples)
+    self.batch_size = batch_size
+    self.seed = seed
+    self.shuffle = shuffle
+    self.epoch = 0
+    self.index = 0
+    self._order = epoch_order(len(self.examples), seed, 0, shuffle)
+
+  def __iter__(self) -> PromptIterator:
+    return self
+
+  def __next__(self) -> list[Example]:
+    if self.index + self.batch_size > len(self._order):
+      self.epoch += 1
+      self.index = 0
+      self._order = epoch_order(len(self.examples), self.seed, self.epoch, self.shuffle)
+    batch = [self.examples[i] for i in self._order[self.index : self.index + self.batch_size]]
+    self.index += self.batch_size
+    return batch
+
+  def state(self) -> dict[str, int]:
+    """Position to save with a checkpoint (plain ints; the seed guards against mix-ups)."""
+    return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+            "num_examples": len(self.examples)}  # fmt: skip
+
+  def restore(self, state: dict[str, int]) -> None:
+    """Continue from a saved position; the dataset and seed must be the ones it was saved with."""
+    if state.get("seed", self.seed) != self.seed:
+      raise ValueError(f"iterator state has seed {state['seed']}, this iterator {self.seed}")
+    n = state.get("num_examples", len(self.examples))
+    if n != len(self.examples):
+      raise ValueError(f"iterator state is for {n} examples, this dataset has {len(self.examples)}")
+    if not 0 <= state["index"] <= len(self.examples) or state["epoch"] < 0:
+      raise ValueError(f"invalid iterator state {state}")
+    self.epoch = int(state["epoch"])
+    self.index = int(state["index"])
+    self._order = epoch_order(len(self.examples), self.seed, self.epoch, self.shuffle)
