@@ -264,7 +264,8 @@ def _worker_main(memory_mb: int, parent_pid: int) -> None:
     return (OK if math_verify.verify(gold, pred, timeout_seconds=None) else WRONG), ""
 
   # Warm up lazy imports and sympy caches so the first real item is not charged for them.
-  for gold, pred in (("x^2+2x+1", "(x+1)^2"), ("(1,2]", "\\{1,2\\}"), ("\\frac{1}{2}", "0.5")):
+  warmup = [("x^2+2x+1", "(x+1)^2"), ("(1,2]", "\\{1,2\\}"), ("\\frac{1}{2}", "0.5"), ("x=5", "y")]
+  for gold, pred in warmup:
     math_verify.verify(parse(gold), parse(pred), timeout_seconds=None)
   proto_out.write('{"ready": true}\n')
   proto_out.flush()
@@ -286,6 +287,7 @@ def _worker_main(memory_mb: int, parent_pid: int) -> None:
       status, detail = ERROR, f"{type(e).__name__}: {str(e)[:200]}"
     proto_out.write(json.dumps({"status": status, "detail": detail}) + "\n")
     proto_out.flush()
+  os._exit(0)  # stdin closed: the parent is done with us; skip interpreter teardown
 
 
 # ---------------------------------------------------------------------------------------------
