@@ -164,9 +164,10 @@ def _answer(value: Any, loc: str, field: str) -> str:
 
 
 def _tests(value: Any, loc: str, field: str) -> dict:
-  """Code tests: {inputs: [...], outputs: [...]} (stdin/stdout), plus fn_name for call tests.
-
-  A JSON string holding such a dict is accepted too (LiveCodeBench-style exports).
+  """Code tests, one of three forms (a JSON string holding one is accepted too):
+  {inputs: [...], outputs: [...]}            stdin/stdout cases;
+  {fn_name, inputs: [[args]...], outputs}    function-call cases;
+  {test_code, entry_point, setup_code?}      HumanEval-style check code calling `candidate`.
   """
   if isinstance(value, str):
     try:
@@ -175,9 +176,20 @@ def _tests(value: Any, loc: str, field: str) -> dict:
       raise DataError(f"{loc}: field {field!r} is a string but not JSON ({e.msg})") from None
   if not isinstance(value, dict):
     raise DataError(f"{loc}: field {field!r} must be a dict, got {type(value).__name__}")
+  if "test_code" in value:
+    code, entry = value.get("test_code"), value.get("entry_point")
+    if not (isinstance(code, str) and code.strip()):
+      raise DataError(f"{loc}: field {field!r}: 'test_code' must be a non-empty string")
+    if not (isinstance(entry, str) and entry.isidentifier()):
+      raise DataError(f"{loc}: field {field!r}: 'entry_point' must be a Python identifier")
+    if not isinstance(value.get("setup_code", ""), str):
+      raise DataError(f"{loc}: field {field!r}: 'setup_code' must be a string")
+    return value
   inputs, outputs = value.get("inputs"), value.get("outputs")
   if not isinstance(inputs, list) or not isinstance(outputs, list):
-    raise DataError(f"{loc}: field {field!r} needs list fields 'inputs' and 'outputs'")
+    raise DataError(
+      f"{loc}: field {field!r} needs list fields 'inputs' and 'outputs' (or 'test_code')"
+    )
   if not inputs or len(inputs) != len(outputs):
     raise DataError(
       f"{loc}: field {field!r} needs as many outputs as inputs (and at least one), "

@@ -123,12 +123,14 @@ def test_missing_file_and_bad_arguments(tmp_path):
 def test_code_tests_field(tmp_path):
   stdio = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
   call = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]}
+  check = {"test_code": "def check(c):\n  assert c(1) == 2\n", "entry_point": "inc"}
   rows = [
     {"prompt": "Sum two ints.", "tests": stdio},
     {"prompt": "Write add.", "tests": json.dumps(call)},  # JSON-string form
+    {"prompt": "def inc(x):", "tests": check},
   ]
   ds = load_dataset(write_jsonl(tmp_path / "code.jsonl", rows), task="code")
-  assert ds.examples[0].tests == stdio and ds.examples[1].tests == call
+  assert [e.tests for e in ds.examples] == [stdio, call, check]
   assert ds.examples[0].answer is None
   bad_cases = [
     ({"inputs": ["1"], "outputs": []}, "as many outputs as inputs"),
@@ -137,6 +139,8 @@ def test_code_tests_field(tmp_path):
     ([1, 2], "must be a dict"),
     ("{not json", "not JSON"),
     ({"fn_name": "not valid", "inputs": [1], "outputs": [1]}, "identifier"),
+    ({"test_code": "assert 1", "entry_point": "a b"}, "entry_point"),
+    ({"test_code": "", "entry_point": "f"}, "test_code"),
   ]
   for tests, pattern in bad_cases:
     path = write_jsonl(tmp_path / "badcode.jsonl", [{"prompt": "p", "tests": tests}])
