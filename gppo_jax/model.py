@@ -1,0 +1,709 @@
+"""The policy: a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+
+One module covers the three Hugging Face families: RoPE (with Llama-3 frequency scaling),
+grouped-query attention, SwiGLU MLP, RMSNorm, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm
+(Qwen3), tied or untied embeddings. Layer weights are stacked on a leading "layers" axis and the
+forward pass is a `lax.scan`, so a 32-layer model compiles as fast as a 1-layer one.
+
+Every parameter carries logical axis names (`out_sharding` metadata on `nnx.Param`); the rules
+table in `partitioning.py` maps them to mesh axes, so sharding never touches this file.
+
+Training reads log-probs through `chunked_logprobs`, which walks the sequence in chunks under
+`jax.checkpoint` so the [B, T, vocab] float32 logits never exist at once, not even under grad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FAMILIES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of the transformer. Frozen and hashable: usable as a static jit arg."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None  # sorted (key, value) pairs of HF's rope_scaling dict
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # q/k/v bias (Qwen2 / Qwen2.5)
+  qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  max_position_embeddings: int = 4096
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  pad_token_id: int = 0
+  family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
+
+  def __post_init__(self):
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {sorted(DTYPES)}")
+    if self.family not in FAMILIES:
+      raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    rope_type = self.rope_params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+      raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+
+  @property
+  def rope_params(self) -> dict[str, Any]:
+    return dict(self.rope_scaling or ())
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return DTYPES[self.dtype]
+
+  @property
+  def params_dtype(self) -> jnp.dtype:
+    return DTYPES[self.param_dtype]
+
+
+def rope_scaling_tuple(rope_scaling: Mapping[str, Any] | None) -> tuple | None:
+  """HF's rope_scaling dict as the hashable sorted tuple ModelConfig stores (None stays None)."""
+  if not rope_scaling:
+    return None
+  d = dict(rope_scaling)
+  if "type" in d and "rope_type" not in d:  # pre-4.45 spelling
+    d["rope_type"] = d.pop("type")
+  d.pop("type", None)
+  d.pop("rope_theta", None)  # transformers>=5 keeps theta inside rope_parameters
+  if d.get("rope_type", "default") == "default" and len(d) <= 1:
+    return None
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+_LLAMA31_ROPE = rope_scaling_tuple(
+  {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+  }
+)
+_LLAMA32_ROPE = rope_scaling_tuple(dict(dict(_LLAMA31_ROPE), factor=32.0))
+_QWEN = dict(
+  rope_theta=1_000_000.0,
+  rms_norm_eps=1e-6,
+  bos_token_id=151643,
+  eos_token_ids=(151645, 151643),
+  pad_token_id=151643,
+)
+_LLAMA = dict(
+  rope_theta=500_000.0,
+  rms_norm_eps=1e-5,
+  max_position_embeddings=131072,
+  bos_token_id=128000,
+  eos_token_ids=(128001, 128008, 128009),
+  pad_token_id=128004,
+  family="llama",
+)
+
+
+def _qwen2(vocab, d, f, layers, heads, kv, tie):
+  return ModelConfig(
+    vocab, d, f, layers, heads, kv, d // heads, tie_word_embeddings=tie, attention_bias=True,
+    max_position_embeddings=32768, family="qwen2", **_QWEN,
+  )  # fmt: skip
+
+
+def _qwen3(d, f, layers, heads, kv, tie):
+  return ModelConfig(
+    151936, d, f, layers, heads, kv, 128, tie_word_embeddings=tie, qk_norm=True,
+    max_position_embeddings=40960, family="qwen3", **_QWEN,
+  )  # fmt: skip
+
+
+PRESETS: dict[str, ModelConfig] = {
+  # Test-sized; loads nothing, compiles in seconds on CPU.
+  "tiny": ModelConfig(64, 64, 128, 2, 4, 2, 16, max_position_embeddings=512, eos_token_ids=(2,)),
+  # The embedded CPU default: char-level task policies (vocab 64, ~0.1M and ~0.8M params).
+  "char-tiny": ModelConfig(
+    64,
+    64,
+    192,
+    2,
+    4,
+    2,
+    16,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+  ),  # fmt: skip
+  "char-small": ModelConfig(
+    64,
+    128,
+    384,
+    4,
+    4,
+    2,
+    32,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+  ),  # fmt: skip
+  "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
+  "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
+  "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),
+  "qwen2.5-7b": _qwen2(152064, 3584, 18944, 28, 28, 4, False),
+  "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+  "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+  "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+  "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+  "llama3.1-8b": ModelConfig(
+    128256, 4096, 14336, 32, 32, 8, 128, rope_scaling=_LLAMA31_ROPE, **_LLAMA
+  ),
+  "llama3.2-1b": ModelConfig(
+    128256,
+    2048,
+    8192,
+    16,
+    32,
+    8,
+    64,
+    rope_scaling=_LLAMA32_ROPE,
+    tie_word_embeddings=True,
+    **_LLAMA,
+  ),  # fmt: skip
+  "llama3.2-3b": ModelConfig(
+    128256,
+    3072,
+    8192,
+    28,
+    24,
+    8,
+    128,
+    rope_scaling=_LLAMA32_ROPE,
+    tie_word_embeddings=True,
+    **_LLAMA,
+  ),  # fmt: skip
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  """A named configuration, with field overrides (e.g. dtype="bfloat16")."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; valid: {sorted(PRESETS)}")
+  return dataclasses.replace(PRESETS[name], **overrides)
+
+
+_HF_FAMILIES = {
+  "LlamaForCausalLM": "llama",
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def hf_family(hf_config: Mapping[str, Any]) -> str:
+  """The family ("llama" | "qwen2" | "qwen3") named by a config.json; ValueError otherwise."""
+  for arch in hf_config.get("architectures") or ():
+    if arch in _HF_FAMILIES:
+      return _HF_FAMILIES[arch]
+  model_type = hf_config.get("model_type")
+  if model_type in _MODEL_TYPES:
+    return _MODEL_TYPES[model_type]
+  raise ValueError(
+    f"unsupported architecture: architectures={hf_config.get('architectures')}, "
+    f"model_type={model_type!r}; supported: {sorted(_HF_FAMILIES)}"
+  )
+
+
+def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
+  """A ModelConfig from the contents of a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+  c = dict(hf_config)
+  family = hf_family(c)
+  unsupported = []
+  if c.get("hidden_act", "silu") != "silu":
+    unsupported.append(f"hidden_act={c['hidden_act']!r}")
+  if c.get("mlp_bias"):
+    unsupported.append("mlp_bias=true")
+  if c.get("use_sliding_window"):
+    unsupported.append("use_sliding_window=true")
+  if family != "qwen2" and c.get("attention_bias"):
+    unsupported.append(f"attention_bias=true for {family} (bias on o_proj)")
+  if c.get("partial_rotary_factor", 1.0) != 1.0:
+    unsupported.append("partial_rotary_factor")
+  if unsupported:
+    raise ValueError(f"config.json: unsupported settings for {family}: {', '.join(unsupported)}")
+  rope = dict(c.get("rope_parameters") or {})
+  rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+  if c.get("rope_scaling"):
+    rope = dict(c["rope_scaling"])
+  eos = c.get("eos_token_id")
+  eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+  num_heads = int(c["num_attention_heads"])
+  pad = c.get("pad_token_id")
+  if pad is None:
+    pad = eos_ids[0] if eos_ids else 0
+  dtype = {"bfloat16": "bfloat16"}.get(c.get("torch_dtype") or c.get("dtype"), "float32")
+  kwargs = dict(
+    vocab_size=int(c["vocab_size"]),
+    hidden_size=int(c["hidden_size"]),
+    intermediate_size=int(c["intermediate_size"]),
+    num_layers=int(c["num_hidden_layers"]),
+    num_heads=num_heads,
+    num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
+    head_dim=int(c.get("head_dim") or c["hidden_size"] // num_heads),
+    rope_theta=float(rope_theta),
+    rope_scaling=rope_scaling_tuple(rope),
+    rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+    tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+    attention_bias=family == "qwen2",
+    qk_norm=family == "qwen3",
+    dtype=dtype,
+    param_dtype=dtype,
+    max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+    bos_token_id=c.get("bos_token_id"),
+    eos_token_ids=eos_ids,
+    pad_token_id=int(pad),
+    family=family,
+  )
+  kwargs.update(overrides)
+  return ModelConfig(**kwargs)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The config.json contents that transformers and vLLM read for this model."""
+  arch = {v: k for k, v in _HF_FAMILIES.items()}[cfg.family]
+  eos = list(cfg.eos_token_ids)
+  out: dict[str, Any] = {
+    "architectures": [arch],
+    "model_type": cfg.family,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    "pad_token_id": cfg.pad_token_id,
+    "torch_dtype": cfg.param_dtype,
+  }
+  if cfg.family == "llama":
+    out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+  else:
+    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+  if cfg.family == "qwen3":
+    out["attention_bias"] = False
+  return out
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+  """An nnx.Param with logical axis names; placement is decided later by partitioning.py."""
+  if init == "normal":
+    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+class Layers(nnx.Module):
+  """All decoder layers' weights, stacked on a leading "layers" axis (one scan step each)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    H, K, Dh, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.params_dtype
+    p = lambda shape, axes, init="normal": _param(rngs, (L, *shape), ("layers", *axes), dt, init)
+    self.attn_norm = p((D,), ("embed",), "ones")
+    self.wq = p((D, H, Dh), ("embed", "heads", "head_dim"))
+    self.wk = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
+    self.wv = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
+    self.wo = p((H, Dh, D), ("heads", "head_dim", "embed"))
+    if cfg.attention_bias:
+      self.bq = p((H, Dh), ("heads", "head_dim"), "zeros")
+      self.bk = p((K, Dh), ("kv_heads", "head_dim"), "zeros")
+      self.bv = p((K, Dh), ("kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+      self.q_norm = p((Dh,), ("head_dim",), "ones")
+      self.k_norm = p((Dh,), ("head_dim",), "ones")
+    self.mlp_norm = p((D,), ("embed",), "ones")
+    self.w_gate = p((D, F), ("embed", "mlp"))
+    self.w_up = p((D, F), ("embed", "mlp"))
+    self.w_down = p((F, D), ("mlp", "embed"))
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys/values of every layer for B sequences of up to S slots, and which slots are real."""
+
+  k: jax.Array  # [num_layers, B, S, num_kv_heads, head_dim], compute dtype
+  v: jax.Array  # same
+  mask: jax.Array  # bool [B, S]: slot holds a real (non-pad) token
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> KVCache:
+  """An empty cache (zeros, mask all False) for `batch_size` sequences of `max_len` slots."""
+  shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+  zeros = jnp.zeros(shape, cfg.compute_dtype)
+  return KVCache(k=zeros, v=zeros, mask=jnp.zeros((batch_size, max_len), bool))
+
+
+# --------------------------------------------------------------------------------------------
+# Forward pass
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis in float32, returned in x's dtype (as Llama/Qwen do)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return xf.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """float32 [head_dim // 2] inverse frequencies, with linear or Llama-3 scaling applied."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  p = cfg.rope_params
+  kind = p.get("rope_type", "default")
+  if kind == "linear":
+    inv = inv / p["factor"]
+  elif kind == "llama3":
+    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    inv = jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotates x [B, T, heads, head_dim] by positions [B, T] (half-split layout, as HF)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+  sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def _attention(q, k, v, allowed, dtype):
+  """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh] (GQA, f32 softmax)."""
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, Dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(allowed[:, None, None], scores * (Dh**-0.5), _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(B, T, H, Dh)
+
+
+def _layer(cfg, p, x, positions, inv_freq, kv_fn):
+  """One pre-norm decoder layer. kv_fn(k, v) -> (keys, values, allowed) handles cache/no cache."""
+  dt = cfg.compute_dtype
+  w = {k: a.astype(dt) for k, a in p.items()}
+  h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("btd,dhe->bthe", h, w["wq"])
+  k = jnp.einsum("btd,dhe->bthe", h, w["wk"])
+  v = jnp.einsum("btd,dhe->bthe", h, w["wv"])
+  if cfg.attention_bias:
+    q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+  if cfg.qk_norm:
+    q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  keys, values, allowed = kv_fn(k, v)
+  attn = _attention(q, keys, values, allowed, dt)
+  x = x + jnp.einsum("bthe,hed->btd", attn, w["wo"])
+  h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, w["w_gate"])
+  up = jnp.einsum("btd,df->btf", h, w["w_up"])
+  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"])
+
+
+class Transformer(nnx.Module):
+  """Decoder-only causal LM. `__call__` returns final-norm hidden states; `logits` projects."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = cfg.params_dtype
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+    self.layers = Layers(cfg, rngs)
+    self.final_norm = _param(rngs, (cfg.hidden_size,), ("embed",), dt, "ones")
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+  def __call__(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    attn_mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
+    """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
+
+    Without cache: causal attention over the T tokens, ignoring keys whose attn_mask is False.
+    With cache and scalar cache_index: writes the new K/V into slots [cache_index,
+    cache_index + T), marks them with attn_mask, and token i attends to every real slot
+    j <= cache_index + i. Returns (hidden [B, T, hidden_size] after the final norm, new cache).
+    """
+    cfg = self.cfg
+    B, T = tokens.shape
+    if attn_mask is None:
+      attn_mask = jnp.ones((B, T), bool)
+    attn_mask = attn_mask.astype(bool)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    inv_freq = rope_inv_freq(cfg)
+    params = self.layers.arrays()
+    layer_ids = jnp.arange(cfg.num_layers)
+
+    if cache is None:
+      causal = jnp.tril(jnp.ones((T, T), bool))
+      allowed = causal[None] & attn_mask[:, None, :]
+
+      def step(x, xs):
+        p, _ = xs
+        return _layer(cfg, p, x, positions, inv_freq, lambda k, v: (k, v, allowed)), None
+
+      x, _ = jax.lax.scan(step, x, (params, layer_ids))
+      new_cache = None
+    else:
+      if cache_index is None:
+        raise ValueError("cache_index is required together with cache")
+      idx = jnp.asarray(cache_index, jnp.int32)
+      S = cache.mask.shape[1]
+      mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, idx))
+      slots = jnp.arange(S)[None, :] <= idx + jnp.arange(T)[:, None]  # [T, S]
+      allowed = slots[None] & mask[:, None, :]
+      zero = jnp.zeros((), jnp.int32)
+
+      def step(carry, xs):
+        x, ck, cv = carry
+        p, l = xs
+
+        def kv_fn(k, v):
+          nonlocal ck, cv
+          at = (l, zero, idx, zero, zero)
+          ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+          cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+          keys = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
+          values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
+          return keys, values, allowed
+
+        x = _layer(cfg, p, x, positions, inv_freq, kv_fn)
+        return (x, ck, cv), None
+
+      (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
+      new_cache = KVCache(k=ck, v=cv, mask=mask)
+
+    return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+
+  def unembedding(self) -> tuple[jax.Array, bool]:
+    """(W, tied): the output projection, [vocab, hidden] when tied else [hidden, vocab]."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed[...], True
+    return self.lm_head[...], False
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """float32 [..., vocab] logits of hidden states (tied or untied head)."""
+    w, tied = self.unembedding()
+    return _project(hidden, w, tied)
+
+
+def _project(hidden, w, tied):
+  w = w.astype(hidden.dtype)
+  spec = "...d,vd->...v" if tied else "...d,dv->...v"
+  return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked log-prob heads (training)
+# --------------------------------------------------------------------------------------------
+
+
+def chunked_logprob_stats(
+  hidden: jax.Array,
+  w: jax.Array,
+  targets: jax.Array,
+  *,
+  tied: bool = False,
+  temperature: float = 1.0,
+  chunk_size: int = 128,
+  gather_ids: jax.Array | None = None,
+  entropy: bool = False,
+  top_k: int = 0,
+) -> dict[str, jax.Array]:
+  """Statistics of softmax(hidden @ W / temperature), walking the sequence in chunks.
+
+  hidden [B, T, D]; w [D, V] ([V, D] if tied); targets int [B, T]; gather_ids int [B, T, K].
+  Each chunk's float32 logits [B, chunk, V] are built and dropped inside a `jax.checkpoint`ed
+  scan step, so neither the forward nor the gradient ever holds all [B, T, V] logits.
+  Returns float32 arrays: "logprobs" [B, T]; with entropy, "entropy" [B, T]; with gather_ids,
+  "gathered_logprobs" [B, T, K]; with top_k > 0, "topk_logprobs" [B, T, k] and "topk_ids".
+  """
+  B, T, _ = hidden.shape
+  ids = targets[..., None]
+  n_target = 1
+  if gather_ids is not None:
+    ids = jnp.concatenate([ids, gather_ids.astype(ids.dtype)], axis=-1)
+  C = max(1, min(chunk_size, T))
+  n = -(-T // C)
+  pad = n * C - T
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    ids = jnp.pad(ids, ((0, 0), (0, pad), (0, 0)))
+  h_chunks = hidden.reshape(B, n, C, -1).swapaxes(0, 1)
+  id_chunks = ids.reshape(B, n, C, -1).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(w, h, i):
+    logits = _project(h, w, tied) / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    out = {"lp": jnp.take_along_axis(logits, i, axis=-1) - lse[..., None]}
+    if entropy:
+      probs = jnp.exp(logits - lse[..., None])
+      out["entropy"] = lse - jnp.sum(probs * logits, axis=-1)
+    if top_k:
+      vals, top_ids = jax.lax.top_k(logits, top_k)
+      out["topk_logprobs"] = vals - lse[..., None]
+      out["topk_ids"] = top_ids
+    return out
+
+  _, outs = jax.lax.scan(lambda c, x: (c, chunk(w, *x)), None, (h_chunks, id_chunks))
+  unchunk = lambda a: a.swapaxes(0, 1).reshape(B, n * C, *a.shape[3:])[:, :T]
+  outs = {k: unchunk(a) for k, a in outs.items()}
+  result = {"logprobs": outs["lp"][..., 0]}
+  if gather_ids is not None:
+    result["gathered_logprobs"] = outs["lp"][..., n_target:]
+  for key in ("entropy", "topk_logprobs", "topk_ids"):
+    if key in outs:
+      result[key] = outs[key]
+  return result
+
+
+def chunked_logprobs(model: Transformer, hidden: jax.Array, targets: jax.Array, **kwargs):
+  """`chunked_logprob_stats` with the model's own head, for hidden states already computed."""
+  w, tied = model.unembedding()
+  return chunked_logprob_stats(hidden, w, targets, tied=tied, **kwargs)
+
+
+def token_logprobs(
+  model: Transformer,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attn_mask: jax.Array | None,
+  targets: jax.Array,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int = 128,
+) -> jax.Array:
+  """float32 [B, T]: log softmax(logits / temperature)[targets], chunked over the sequence."""
+  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
+  stats = chunked_logprobs(model, hidden, targets, temperature=temperature, chunk_size=chunk_size)
+  return stats["logprobs"]
+
+
+def token_logprobs_and_entropy(
+  model: Transformer,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attn_mask: jax.Array | None,
+  targets: jax.Array,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int = 128,
+) -> tuple[jax.Array, jax.Array]:
+  """(log-probs of targets [B, T], entropy of softmax(logits / temperature) [B, T]), chunked."""
+  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
+  stats = chunked_logprobs(
+    model, hidden, targets, temperature=temperature, chunk_size=chunk_size, entropy=True
+  )
+  return stats["logprobs"], stats["entropy"]
+
+
+def gather_logprobs(
+  model: Transformer,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attn_mask: jax.Array | None,
+  ids: jax.Array,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int = 128,
+) -> jax.Array:
+  """float32 [B, T, K]: the policy's log-probs at given token ids [B, T, K] (e.g. a top-K)."""
+  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
+  stats = chunked_logprobs(
+    model,
+    hidden,
+    ids[..., 0],
+    temperature=temperature,
+    chunk_size=chunk_size,
+    gather_ids=ids,
+  )
+  return stats["gathered_logprobs"]
+
+
+def positions_from_mask(attn_mask: jax.Array) -> jax.Array:
+  """Positions for a left-padded batch: max(cumsum(mask) - 1, 0), int32 [B, T]."""
+  return jnp.maximum(jnp.cumsum(attn_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def param_count(model: Transformer) -> int:
+  """Number of parameters (elements) in the model."""
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

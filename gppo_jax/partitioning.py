@@ -1,0 +1,139 @@
+"""Logical-axis sharding rules: model parameters name their axes, a rules table places them.
+
+Parameters in model.py carry logical axis names ("embed", "vocab", "mlp", "heads", "kv_heads",
+"head_dim", "layers") as `out_sharding` metadata on their `nnx.Param`. A rules table maps each
+name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config change only.
+A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
+earlier dimension of the same array is dropped (that dimension is then replicated over it), so
+tiny test models and odd head counts never fail to shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Sequence[tuple[str, MeshAxes]]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# FSDP over the embedding dimension, tensor parallelism over heads / mlp / vocab.
+DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
+  ("batch", ("data", "fsdp")),
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("layers", None),
+  ("seq", None),
+)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(
+  logical: Sequence[str | None],
+  rules: Rules = DEFAULT_RULES,
+  *,
+  shape: Sequence[int] | None = None,
+  mesh: Mesh | None = None,
+) -> PartitionSpec:
+  """PartitionSpec for an array whose dimensions have the given logical names.
+
+  With `mesh` (and `shape`), mesh axes absent from the mesh or not dividing the dimension are
+  dropped. Unknown logical names raise, listing the names the rules know.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for dim, name in enumerate(logical):
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+    chosen = []
+    size = 1
+    for ax in _as_tuple(table[name]):
+      if ax in used:
+        continue
+      if mesh is not None:
+        if ax not in mesh.shape:
+          continue
+        n = mesh.shape[ax]
+        if shape is not None and shape[dim] % (size * n):
+          continue
+        size *= n
+      chosen.append(ax)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return PartitionSpec(*spec)
+
+
+def _is_var(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state: Any) -> Any:
+  """The state's pytree with each Variable's value replaced by its logical axis names."""
+
+  def names(v):
+    axes = v.get_metadata().get("out_sharding") or (None,) * np.ndim(v.get_value())
+    return v.replace(tuple(axes))
+
+  return jax.tree.map(names, state, is_leaf=_is_var)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+  """NamedSharding pytree matching `state` (a model state from nnx.split / nnx.state).
+
+  Works on concrete and abstract (nnx.eval_shape) states; Variables without logical names are
+  replicated. The result can be passed to jax.jit in/out_shardings or jax.device_put.
+  """
+
+  def sharding(v):
+    value = v.get_value()
+    axes = v.get_metadata().get("out_sharding")
+    if not axes:
+      return v.replace(NamedSharding(mesh, PartitionSpec()))
+    if len(axes) != np.ndim(value):
+      raise ValueError(f"logical axes {axes} do not match shape {np.shape(value)}")
+    spec = logical_to_spec(axes, rules, shape=np.shape(value), mesh=mesh)
+    return v.replace(NamedSharding(mesh, spec))
+
+  return jax.tree.map(sharding, state, is_leaf=_is_var)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+  """Places the model's arrays on `mesh` per `rules` (in place) and returns it."""
+  state = nnx.state(model)
+  nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+  return model
+
+
+def create_sharded(make_model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+  """Builds `make_model()` with every parameter created directly in its sharded layout."""
+  abstract = nnx.eval_shape(make_model)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = state_shardings(abstract_state, mesh, rules)
+
+  state = jax.jit(lambda: nnx.state(make_model()), out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Sharding for a [batch, ...] input array: batch over the "batch" rule's mesh axes."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh=mesh)
+  return NamedSharding(mesh, spec)
