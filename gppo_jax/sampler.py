@@ -1,0 +1,298 @@
+"""KV-cached autoregressive sampler: one jitted prefill plus a `lax.while_loop` decode.
+
+Behaviour log-probs. By default (`logprobs_mode="tempered"`) the sampler returns, for every
+generated token, log softmax(logits / T)[token]: exactly what the trainer recomputes with
+`model.token_logprobs(..., temperature=T)`, so the importance ratio pi_theta / mu is 1 at the start
+of an update (a mismatch here silently biases RL). With top-k / top-p the tokens are actually drawn
+from the *truncated* renormalised distribution, which differs from softmax(logits / T); pass
+`logprobs_mode="truncated"` to get log-probs (and top-K) under the distribution really sampled from.
+Greedy decoding ignores T; its log-probs (and top-K) are under softmax(logits), i.e. T = 1.
+
+Padding follows the project convention: prompts are left-padded (mask False on pads), positions are
+max(cumsum(mask) - 1, 0), and the response is right-padded with `pad_id` after the stop token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gppo_jax import model as model_lib
+
+LOGPROBS_MODES = ("tempered", "truncated")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static sampling settings (hashable, so one compiled sampler per distinct setting).
+
+  stop_ids: token ids that end a row (the stop token itself is kept and masked True).
+  num_topk: if > 0, also return the top-`num_topk` log-probs and ids at every generated position.
+  """
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  greedy: bool = False
+  stop_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  num_topk: int = 0
+  logprobs_mode: str = "tempered"
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if not self.greedy and not self.temperature > 0:
+      raise ValueError(f"temperature must be > 0 (or use greedy=True), got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+    if self.num_topk < 0:
+      raise ValueError(f"num_topk must be >= 0 (0 = off), got {self.num_topk}")
+    if self.logprobs_mode not in LOGPROBS_MODES:
+      raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+    object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+
+
+@flax.struct.dataclass
+class SampleOutput:
+  """Sampled responses, right-padded with pad_id after the stop token.
+
+  tokens: int32 [B, N]; logprobs: float32 [B, N] behaviour log-probs (0 where mask is False);
+  mask: bool [B, N], True for generated tokens up to and including the stop token;
+  lengths: int32 [B] = mask.sum(-1); topk_logprobs / topk_ids: [B, N, K] sorted descending
+  (None unless num_topk > 0; -inf / pad_id where mask is False).
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+  topk_logprobs: jax.Array | None = None
+  topk_ids: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class SamplerState:
+  """Carry of the decode loop. `step` is the index of the next response token to write."""
+
+  step: jax.Array  # int32 []
+  cache: model_lib.KVCache
+  last_token: jax.Array  # int32 [B]: token fed to the model in the next step
+  position: jax.Array  # int32 [B]: position of last_token
+  done: jax.Array  # bool [B]
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  topk_logprobs: jax.Array | None
+  topk_ids: jax.Array | None
+
+
+def left_pad(
+  prompts: Sequence[Sequence[int]], *, pad_id: int = 0, length: int | None = None, multiple: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token-id lists into (tokens int32 [B, P], mask bool [B, P]).
+
+  P is `length` if given, else the longest prompt rounded up to `multiple` (bucketing prompt lengths
+  bounds the number of compiled samplers).
+  """
+  if not prompts:
+    raise ValueError("left_pad: no prompts given")
+  longest = max(len(p) for p in prompts)
+  if min(len(p) for p in prompts) == 0:
+    raise ValueError("left_pad: every prompt needs at least one token")
+  if length is None:
+    length = -(-longest // multiple) * multiple
+  elif length < longest:
+    raise ValueError(f"left_pad: length={length} is shorter than the longest prompt ({longest})")
+  tokens = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, p in enumerate(prompts):
+    if len(p):
+      tokens[i, length - len(p) :] = np.asarray(p, np.int32)
+      mask[i, length - len(p) :] = True
+  return tokens, mask
+
+
+def _truncation_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array | None:
+  """Smallest logit kept by top-k then top-p (HF order, top-p on the top-k renormalised), [B, 1]."""
+  if top_k <= 0 and top_p >= 1.0:
+    return None
+  vocab = scaled.shape[-1]
+  k = min(top_k, vocab) if top_k > 0 else vocab
+  vals, _ = jax.lax.top_k(scaled, k)  # sorted descending
+  if top_p >= 1.0:
+    return vals[:, -1:]
+  probs = jax.nn.softmax(vals, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep = mass_before < top_p  # the most likely token is always kept
+  return jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
+
+
+def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
+  """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None)."""
+  if p.greedy:
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    dist = jax.nn.log_softmax(logits, axis=-1)
+  else:
+    scaled = logits / p.temperature
+    threshold = _truncation_threshold(scaled, p.top_k, p.top_p)
+    truncated = scaled if threshold is None else jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    token = jax.random.categorical(key, truncated, axis=-1).astype(jnp.int32)
+    dist = jax.nn.log_softmax(truncated if p.logprobs_mode == "truncated" else scaled, axis=-1)
+  logprob = jnp.take_along_axis(dist, token[:, None], axis=-1)[:, 0]
+  topk = jax.lax.top_k(dist, p.num_topk) if p.num_topk > 0 else None
+  return token, logprob, topk
+
+
+def _record(state: SamplerState, token, logprob, topk, p: SamplingParams) -> SamplerState:
+  """Writes the token drawn for response index `state.step` and advances the done flags."""
+  live = ~state.done
+  token = jnp.where(live, token, p.pad_id)
+  col = state.step
+
+  def put(buf, val):
+    return jax.lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), col, axis=1)
+
+  updates = dict(
+    tokens=put(state.tokens, token),
+    logprobs=put(state.logprobs, jnp.where(live, logprob, 0.0)),
+    mask=put(state.mask, live),
+  )
+  if topk is not None:
+    vals, ids = topk
+    updates["topk_logprobs"] = put(state.topk_logprobs, jnp.where(live[:, None], vals, -jnp.inf))
+    updates["topk_ids"] = put(state.topk_ids, jnp.where(live[:, None], ids, p.pad_id))
+  stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
+  return state.replace(
+    step=state.step + 1,
+    last_token=token,
+    position=state.position + 1,
+    done=state.done | (live & stopped),
+    **updates,
+  )
+
+
+def sample(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  rng: jax.Array,
+  sampling: SamplingParams,
+) -> SampleOutput:
+  """Pure functional sampler: jit it with `graphdef` and `sampling` static, or call it inside jit.
+
+  prompt_tokens int32 [B, P] and prompt_mask bool [B, P] are left-padded; every row needs at least
+  one real token. Token s is drawn with key fold_in(rng, s): equal rngs give equal output.
+  """
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  batch, prompt_len = prompt_tokens.shape
+  n = sampling.max_new_tokens
+  prompt_tokens = prompt_tokens.astype(jnp.int32)
+  prompt_mask = prompt_mask.astype(bool)
+  positions = model_lib.positions_from_mask(prompt_mask)
+
+  cache = model_lib.init_cache(cfg, batch, prompt_len + n)
+  hidden, cache = model(
+    prompt_tokens, positions, attn_mask=prompt_mask, cache=cache, cache_index=jnp.int32(0)
+  )
+  logits = model.logits(hidden[:, -1]).astype(jnp.float32)
+
+  k = sampling.num_topk
+  state = SamplerState(
+    step=jnp.int32(0),
+    cache=cache,
+    last_token=jnp.zeros((batch,), jnp.int32),
+    position=positions[:, -1],
+    done=jnp.zeros((batch,), bool),
+    tokens=jnp.full((batch, n), sampling.pad_id, jnp.int32),
+    logprobs=jnp.zeros((batch, n), jnp.float32),
+    mask=jnp.zeros((batch, n), bool),
+    topk_logprobs=jnp.full((batch, n, k), -jnp.inf, jnp.float32) if k else None,
+    topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
+  )
+  state = _record(state, *_sample_token(logits, jax.random.fold_in(rng, 0), sampling), sampling)
+
+  def cond(s: SamplerState):
+    return (s.step < n) & ~jnp.all(s.done)
+
+  def body(s: SamplerState) -> SamplerState:
+    # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
+    hidden, new_cache = model(
+      s.last_token[:, None],
+      s.position[:, None],
+      attn_mask=~s.done[:, None],
+      cache=s.cache,
+      cache_index=prompt_len + s.step - 1,
+    )
+    logits = model.logits(hidden[:, 0]).astype(jnp.float32)
+    drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
+    return _record(s.replace(cache=new_cache), *drawn, sampling)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return SampleOutput(
+    tokens=state.tokens,
+    logprobs=state.logprobs,
+    mask=state.mask,
+    lengths=state.mask.sum(axis=-1).astype(jnp.int32),
+    topk_logprobs=state.topk_logprobs,
+    topk_ids=state.topk_ids,
+  )
+
+
+sample_jit = jax.jit(sample, static_argnums=(0, 5))
+
+
+def generate(
+  model: nnx.Module,
+  prompt_tokens: jax.Array | np.ndarray,
+  prompt_mask: jax.Array | np.ndarray,
+  rng: jax.Array,
+  *,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  greedy: bool = False,
+  stop_ids: Sequence[int] | None = None,
+  pad_id: int | None = None,
+  num_topk: int = 0,
+  logprobs_mode: str = "tempered",
+) -> SampleOutput:
+  """Samples up to `max_new_tokens` per left-padded prompt with a jitted KV-cached decode.
+
+  stop_ids=None stops on the model config's eos_token_ids; pad_id=None uses its pad_token_id.
+  """
+  cfg = model.cfg
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  prompt_mask = jnp.asarray(prompt_mask, bool)
+  if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
+    raise ValueError(
+      f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]"
+    )
+  if not isinstance(prompt_mask, jax.core.Tracer):
+    if not bool(jnp.all(prompt_mask[:, -1])):
+      raise ValueError("prompts must be left-padded: prompt_mask[:, -1] must be True in every row")
+  sampling = SamplingParams(
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    greedy=greedy,
+    stop_ids=tuple(cfg.eos_token_ids) if stop_ids is None else tuple(stop_ids),
+    pad_id=cfg.pad_token_id if pad_id is None else pad_id,
+    num_topk=num_topk,
+    logprobs_mode=logprobs_mode,
+  )
+  graphdef, params = nnx.split(model)
+  return sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)

@@ -1,0 +1,215 @@
+"""Tests for the KV-cached sampler on the tiny preset.
+
+All tests share one model, one prompt batch and one max_new_tokens, so each distinct SamplingParams
+compiles once (module-scoped fixtures cache the outputs).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gppo_jax import model as model_lib
+from gppo_jax import sampler
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17]]  # left-padded to P = 8
+N = 12
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = model_lib.get_preset("tiny")
+  return model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  return sampler.left_pad(PROMPTS, pad_id=0)
+
+
+@pytest.fixture(scope="module")
+def outputs(model, prompts):
+  """Generates each sampling setting once; tests read from this cache."""
+  cache = {}
+
+  def get(name, **kw):
+    if name not in cache:
+      kw = dict(max_new_tokens=N, stop_ids=(), pad_id=0) | kw
+      rng = kw.pop("rng", jax.random.key(0))
+      cache[name] = jax.device_get(sampler.generate(model, *prompts, rng, **kw))
+    return cache[name]
+
+  return get
+
+
+def _tempered(get):
+  return get("tempered", temperature=TEMPERATURE, num_topk=4)
+
+
+def _greedy(get):
+  return get("greedy", greedy=True)
+
+
+@nnx.jit
+def _full_logits(model, tokens, mask):
+  """No-cache forward over a whole (left-padded prompt + response) sequence: logits [B, T, V]."""
+  hidden, _ = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask)
+  return model.logits(hidden)
+
+
+@nnx.jit(static_argnames="temperature")
+def _trainer_logprobs(model, tokens, mask, temperature):
+  """The trainer's log-probs of tokens[:, 1:] given the prefix, as model.token_logprobs computes."""
+  positions = model_lib.positions_from_mask(mask)
+  return model_lib.token_logprobs(
+    model, tokens[:, :-1], positions[:, :-1], mask[:, :-1], tokens[:, 1:], temperature=temperature
+  )
+
+
+def test_left_pad():
+  tokens, mask = sampler.left_pad([[1, 2, 3], [4]], pad_id=9, multiple=4)
+  np.testing.assert_array_equal(tokens, [[9, 1, 2, 3], [9, 9, 9, 4]])
+  np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+  with pytest.raises(ValueError, match="shorter than the longest"):
+    sampler.left_pad([[1, 2, 3]], length=2)
+  with pytest.raises(ValueError, match="at least one token"):
+    sampler.left_pad([[1], []])
+
+
+def test_params_validation():
+  with pytest.raises(ValueError, match="top_p"):
+    sampler.SamplingParams(max_new_tokens=4, top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    sampler.SamplingParams(max_new_tokens=4, temperature=0.0)
+  with pytest.raises(ValueError, match="logprobs_mode"):
+    sampler.SamplingParams(max_new_tokens=4, logprobs_mode="bogus")
+  sampler.SamplingParams(max_new_tokens=4, temperature=0.0, greedy=True)  # greedy ignores T
+
+
+def test_logprobs_match_trainer(model, prompts, outputs):
+  """Behaviour log-probs == model.token_logprobs on prompt + response at the same temperature."""
+  out = _tempered(outputs)
+  ptoks, pmask = prompts
+  tokens = jnp.concatenate([ptoks, out.tokens], axis=1)
+  mask = jnp.concatenate([pmask, out.mask], axis=1)
+  assert out.mask.all()  # no stop ids: every row runs to max_new_tokens
+  response = slice(ptoks.shape[1] - 1, None)
+  lp = np.asarray(_trainer_logprobs(model, tokens, mask, TEMPERATURE))[:, response]
+  np.testing.assert_allclose(out.logprobs, lp, atol=2e-5, rtol=1e-5)
+  # Not trivially satisfied: a different temperature moves them.
+  lp_t1 = np.asarray(_trainer_logprobs(model, tokens, mask, 1.0))[:, response]
+  assert np.abs(lp_t1 - out.logprobs).max() > 1e-3
+
+
+def test_topk_sorted_and_consistent(outputs):
+  out = _tempered(outputs)
+  vals, ids = out.topk_logprobs, out.topk_ids
+  assert vals.shape == ids.shape == (len(PROMPTS), N, 4)
+  assert (np.diff(vals, axis=-1) <= 0).all()
+  assert (np.exp(vals).sum(-1) <= 1 + 1e-5).all()
+  hit = ids == out.tokens[..., None]
+  assert hit.sum(-1).max() <= 1  # ids are distinct from each other at a position
+  # Where the sampled token is in the top-K, its log-prob is the same number.
+  np.testing.assert_allclose(vals[hit], np.broadcast_to(out.logprobs[..., None], hit.shape)[hit])
+  # A sampled token outside the top-K is at most as likely as the K-th.
+  miss = ~hit.any(-1)
+  assert (out.logprobs[miss] <= vals[..., -1][miss] + 1e-6).all()
+
+
+def test_deterministic_given_rng(outputs):
+  a = _tempered(outputs)
+  b = outputs("tempered_again", temperature=TEMPERATURE, num_topk=4)
+  c = outputs("tempered_rng1", temperature=TEMPERATURE, num_topk=4, rng=jax.random.key(1))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  assert (a.tokens != c.tokens).mean() > 0.5
+
+
+def test_greedy_matches_uncached_argmax(model, prompts, outputs):
+  """Step by step: the argmax of a full no-cache forward over prompt + tokens so far."""
+  out = _greedy(outputs)
+  ptoks, pmask = prompts
+  P, rows = ptoks.shape[1], np.arange(len(PROMPTS))
+  # One fixed shape [B, P + N]: slots not generated yet are masked out (and causally invisible).
+  tokens = np.concatenate([ptoks, np.zeros_like(out.tokens)], axis=1)
+  mask = np.concatenate([pmask, np.zeros_like(out.mask)], axis=1)
+  for step in range(N):
+    logits = np.asarray(_full_logits(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    logits = logits[:, P + step - 1]
+    np.testing.assert_array_equal(out.tokens[:, step], logits.argmax(-1), err_msg=f"step {step}")
+    # Greedy log-probs are under softmax(logits) (T = 1).
+    expected = jax.nn.log_softmax(logits)[rows, out.tokens[:, step]]
+    np.testing.assert_allclose(out.logprobs[:, step], expected, atol=2e-5)
+    tokens[:, P + step], mask[:, P + step] = logits.argmax(-1), True
+
+
+def test_top_k_one_equals_greedy(outputs):
+  np.testing.assert_array_equal(outputs("top_k1", top_k=1).tokens, _greedy(outputs).tokens)
+
+
+def test_tiny_top_p_equals_greedy(outputs):
+  out = outputs("top_p_tiny", temperature=1.5, top_p=1e-6, rng=jax.random.key(3))
+  np.testing.assert_array_equal(out.tokens, _greedy(outputs).tokens)
+
+
+def test_stop_token_and_padding(outputs):
+  greedy = _greedy(outputs)
+  row0 = list(greedy.tokens[0])
+  stop = next(t for j, t in enumerate(row0) if j >= 2 and t not in row0[:j])
+  out = outputs("greedy_stop", greedy=True, stop_ids=(int(stop), 10_000), pad_id=7)
+  for r in range(len(PROMPTS)):
+    row = list(greedy.tokens[r])
+    length = row.index(stop) + 1 if stop in row else N
+    assert out.lengths[r] == length
+    np.testing.assert_array_equal(out.tokens[r, :length], row[:length])
+    assert (out.tokens[r, length:] == 7).all()
+    np.testing.assert_array_equal(out.mask[r], np.arange(N) < length)
+    np.testing.assert_allclose(out.logprobs[r, :length], greedy.logprobs[r, :length], atol=1e-6)
+    assert (out.logprobs[r, length:] == 0).all()
+  assert out.lengths[0] < N
+
+
+def test_shapes_mask_and_lengths(outputs):
+  for out in (_tempered(outputs), _greedy(outputs)):
+    assert out.tokens.shape == out.logprobs.shape == out.mask.shape == (len(PROMPTS), N)
+    assert out.tokens.dtype == np.int32 and out.lengths.dtype == np.int32
+    np.testing.assert_array_equal(out.lengths, out.mask.sum(-1))
+    # The mask is a prefix: True then False.
+    np.testing.assert_array_equal(out.mask, np.arange(N)[None] < out.lengths[:, None])
+    assert (out.logprobs[out.mask] <= 0).all()
+  assert _greedy(outputs).topk_ids is None
+
+
+def test_truncated_logprobs(model, prompts, outputs):
+  """top-k + top-p: tokens come from the truncated set and the option returns its log-probs."""
+  kw = dict(temperature=TEMPERATURE, top_k=5, top_p=0.9, num_topk=5)
+  tempered = outputs("trunc_tempered", **kw)
+  trunc = outputs("trunc_truncated", logprobs_mode="truncated", **kw)
+  np.testing.assert_array_equal(tempered.tokens, trunc.tokens)  # same rng, same draws
+  assert (trunc.logprobs >= tempered.logprobs - 1e-6).all()  # renormalised over fewer tokens
+  assert (trunc.logprobs > tempered.logprobs + 1e-4).any()
+  # The sampled token is one of the kept (finite) truncated top-K entries, which sum to 1.
+  finite = np.isfinite(trunc.topk_logprobs)
+  assert ((trunc.topk_ids == trunc.tokens[..., None]) & finite).any(-1).all()
+  np.testing.assert_allclose(np.where(finite, np.exp(trunc.topk_logprobs), 0).sum(-1), 1, atol=1e-5)
+  # Tempered top-K: first 5 of softmax(logits / T) at the first step.
+  ptoks, pmask = prompts
+  logits = _full_logits(model, jnp.asarray(ptoks), jnp.asarray(pmask))
+  first = np.asarray(jax.nn.log_softmax(logits[:, -1] / TEMPERATURE))
+  top5 = -np.sort(-first, axis=-1)[:, :5]
+  np.testing.assert_allclose(tempered.topk_logprobs[:, 0], top5, atol=2e-5)
+
+
+def test_functional_form_inside_user_jit(model, prompts, outputs):
+  """`sample(graphdef, state, ...)` runs inside a caller's jit and equals `generate`."""
+  graphdef, state = nnx.split(model)
+  params = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=(), pad_id=0)
+
+  @jax.jit
+  def step(state, tokens, mask, rng):
+    return sampler.sample(graphdef, state, tokens, mask, rng, params).tokens
+
+  tokens = step(state, *prompts, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(tokens), _greedy(outputs).tokens)
