@@ -100,7 +100,7 @@ def decode_value(obj: object, _depth: int = 0) -> object:
     return [decode_value(v, d) for v in obj]
   if t is not dict or len(obj) != 1:
     raise ValueError(f"malformed encoded value of type {t.__name__}")
-  (tag, v), = obj.items()
+  ((tag, v),) = obj.items()
   if tag == "$i" and type(v) is str:
     return int(v)
   if tag == "$f" and v in ("nan", "inf", "-inf"):
@@ -152,9 +152,20 @@ def values_match(actual: object, expected: object, float_tol: float = 1e-9) -> b
     return False
   if (type(actual) is bool) != (type(expected) is bool):
     return False
-  return type(actual) is type(expected) and actual == expected or (
-    type(actual) in (int, float) and type(expected) in (int, float) and actual == expected
+  return (
+    type(actual) is type(expected)
+    and actual == expected
+    or (type(actual) in (int, float) and type(expected) in (int, float) and actual == expected)
   )
+
+
+def call_result_matches(value: object, expected: object, accept_unwrapped: bool = False) -> bool:
+  """Call judge; `accept_unwrapped` also accepts `expected[0]` for a one-element list `expected`
+  (the APPS/TACO convention of wrapping each expected return value in a list)."""
+  if values_match(value, expected):
+    return True
+  return (accept_unwrapped and type(expected) is list and len(expected) == 1
+          and values_match(value, expected[0]))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,8 +220,13 @@ class _Child:
       self.buf += data
 
   def pump(self, deadline: float, cap: int, until_line: bool, stdin: bytes = b"") -> str:
-    """Feeds stdin and reads stdout until EOF (or one line); returns "", "timeout" or "cap"."""
+    """Feeds stdin and reads stdout until EOF (or one line); returns "", "timeout" or "cap".
+
+    Output is also complete shortly after the child exits, even if something it left behind
+    still holds the pipes open (that leftover is killed with the child).
+    """
     pending = memoryview(stdin)
+    exited_at = None
     if self.proc.stdin is not None:
       if pending:
         os.set_blocking(self.proc.stdin.fileno(), False)
@@ -224,10 +240,15 @@ class _Child:
           return ""
         if not any(k.events & selectors.EVENT_READ for k in self.sel.get_map().values()):
           return ""
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
           return "timeout"
-        for key, _ in self.sel.select(min(left, 1.0)):
+        if exited_at is None and self.proc.poll() is not None:
+          exited_at = now
+        if exited_at is not None and now - exited_at > 0.1:
+          return ""
+        for key, _ in self.sel.select(min(left, 0.05)):
           f = key.fileobj
           if f is self.proc.stdin:
             try:
@@ -358,8 +379,9 @@ class _Channel:
       raise _CandidateFailure(self.dead)
     child = self.child
     child.buf.clear()
-    why = child.pump(deadline, self.spec["max_output_bytes"], True,
-                     (json.dumps(msg) + "\n").encode("utf-8"))
+    why = child.pump(
+      deadline, self.spec["max_output_bytes"], True, (json.dumps(msg) + "\n").encode("utf-8")
+    )
     if not why and b"\n" not in child.buf:
       why = "eof"
     if why:
@@ -401,9 +423,13 @@ def _run_calls(spec: dict, forked: _Forked) -> list[dict]:
       try:
         args, kwargs = decode_value(case["args"]), decode_value(case["kwargs"])
         value = chan.call(spec["fn"], args, kwargs, t0 + spec["timeout_s"])
-        ok = "expected" not in case or values_match(value, decode_value(case["expected"]))
-        res = {"status": (Status.OK if ok else Status.WRONG_ANSWER).value,
-               "value": encode_value(value)}
+        ok = "expected" not in case or call_result_matches(
+          value, decode_value(case["expected"]), case["unwrap"]
+        )
+        res = {
+          "status": (Status.OK if ok else Status.WRONG_ANSWER).value,
+          "value": encode_value(value),
+        }
       except _CandidateFailure as e:
         res = dict(e.res)
       res["time_s"] = time.monotonic() - t0
@@ -622,6 +648,7 @@ class CallCase:
   kwargs: dict = dataclasses.field(default_factory=dict)
   expected: Any = None
   judge: bool = True  # False: only return the value
+  accept_unwrapped: bool = False  # see `call_result_matches`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,16 +673,32 @@ class Job:
   @classmethod
   def call(cls, program: str, fn: str, cases, stop_on_failure: bool = False, timeout_s=None) -> Job:
     """Imports `program` once and calls `fn(*args, **kwargs)` per case; results judged here."""
-    return cls(program, "call", tuple(cases), fn=fn, stop_on_failure=stop_on_failure,
-               timeout_s=timeout_s)
+    return cls(
+      program, "call", tuple(cases), fn=fn, stop_on_failure=stop_on_failure, timeout_s=timeout_s
+    )
 
   @classmethod
-  def check(cls, program: str, entry_point: str, test_code: str, setup_code: str = "",
-            check_fn: str = "check", timeout_s=None) -> Job:
+  def check(
+    cls,
+    program: str,
+    entry_point: str,
+    test_code: str,
+    setup_code: str = "",
+    check_fn: str = "check",
+    timeout_s=None,
+  ) -> Job:
     """HumanEval style: trusted `setup_code` + `test_code` call `check_fn(candidate)`, where
     `candidate` forwards to `entry_point` of `program` in a separate process."""
-    return cls(program, "check", (), fn=entry_point, test_code=test_code, setup_code=setup_code,
-               check_fn=check_fn, timeout_s=timeout_s)
+    return cls(
+      program,
+      "check",
+      (),
+      fn=entry_point,
+      test_code=test_code,
+      setup_code=setup_code,
+      check_fn=check_fn,
+      timeout_s=timeout_s,
+    )
 
 
 @dataclasses.dataclass
@@ -857,8 +900,10 @@ class Sandbox:
           "$GPPO_SANDBOX_PYTHON), or pass allow_unsafe=True to run untrusted code WITHOUT isolation"
         )
       self.python = cfg.python or sys.executable
-      msg = (f"UNSAFE: running untrusted code WITHOUT namespace/uid isolation ({problem}); "
-             "only resource limits and a process group protect this machine")
+      msg = (
+        f"UNSAFE: running untrusted code WITHOUT namespace/uid isolation ({problem}); "
+        "only resource limits and a process group protect this machine"
+      )
       warnings.warn(msg, RuntimeWarning, stacklevel=2)
       print("WARNING: gppo_jax.sandbox: " + msg, file=sys.stderr)
       for i in range(cfg.num_slots):
@@ -944,7 +989,8 @@ class Sandbox:
     elif job.mode == "call":
       spec["cases"] = []
       for c in job.cases:
-        d = {"args": encode_value(tuple(c.args)), "kwargs": encode_value(dict(c.kwargs))}
+        d = {"args": encode_value(tuple(c.args)), "kwargs": encode_value(dict(c.kwargs)),
+             "unwrap": c.accept_unwrapped}  # fmt: skip
         if c.judge:
           d["expected"] = encode_value(c.expected)
         spec["cases"].append(d)
@@ -958,9 +1004,20 @@ class Sandbox:
     cfg = self.config
     limits = [str(cpu_s), str(cfg.memory_bytes)]
     if not self.isolated:
-      return [self.tools["prlimit"] or "prlimit", f"--cpu={cpu_s}", f"--as={cfg.memory_bytes}",
-              f"--fsize={cfg.max_file_bytes}", f"--nofile={cfg.max_open_files}", "--core=0", "--",
-              self.python, "-I", "-B", os.path.join(hostdir, "box", "gppo_runner.py"), "runner"]
+      return [
+        self.tools["prlimit"] or "prlimit",
+        f"--cpu={cpu_s}",
+        f"--as={cfg.memory_bytes}",
+        f"--fsize={cfg.max_file_bytes}",
+        f"--nofile={cfg.max_open_files}",
+        "--core=0",
+        "--",
+        self.python,
+        "-I",
+        "-B",
+        os.path.join(hostdir, "box", "gppo_runner.py"),
+        "runner",
+      ]
     return [
       self.tools["unshare"], "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
       "--uts", "--mount-proc", "--propagation", "private", "--", "/bin/sh", "-c", _SETUP_SCRIPT,
@@ -1027,8 +1084,11 @@ class Sandbox:
       if _STARTED not in text:
         return RunResult(Status.INFRA_ERROR, [], f"sandbox did not start (rc {rc}): {err_s}")
       if rc is not None and rc > 128 or rc is not None and rc < 0:
-        return RunResult(Status.RUNTIME_ERROR, [],
-                         f"the sandbox runner was killed (rc {rc}), presumably by the program")
+        return RunResult(
+          Status.RUNTIME_ERROR,
+          [],
+          f"the sandbox runner was killed (rc {rc}), presumably by the program",
+        )
       return RunResult(Status.INFRA_ERROR, [], f"sandbox runner failed (rc {rc}): {err_s}")
     try:
       raw = json.loads(payload)["cases"]
@@ -1049,7 +1109,7 @@ class Sandbox:
     elif status in (Status.OK, Status.WRONG_ANSWER) and job.mode == "call":
       c.value = decode_value(r["value"])
       case = job.cases[i]
-      ok = not case.judge or values_match(c.value, case.expected)
+      ok = not case.judge or call_result_matches(c.value, case.expected, case.accept_unwrapped)
       c.status = Status.OK if ok else Status.WRONG_ANSWER
     return c
 
@@ -1058,4 +1118,3 @@ def _which(tool: str) -> str | None:
   import shutil
 
   return shutil.which(tool, path=_TOOL_PATH)
-
