@@ -324,13 +324,13 @@ def test_cannot_kill_the_parent(sb):
   me = os.getpid()
   attempts = (
     "import os, signal\n"
-    "for pid in (1, %d, %d):\n"
+    f"for pid in (1, {me}, {os.getppid()}):\n"
     "  try:\n"
     "    os.kill(pid, signal.SIGKILL)\n"
     "    print('killed', pid)\n"
     "  except OSError as e:\n"
     "    print('denied', pid, type(e).__name__)\n"
-  ) % (me, os.getppid())
+  )
   r = run1(sb, attempts)
   assert r.status == Status.OK and "killed" not in r.cases[0].stdout
   # Its own parent is the in-sandbox runner; so is everything kill -9 -1 reaches: a failure.
