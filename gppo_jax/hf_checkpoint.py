@@ -1,0 +1,366 @@
+"""Hugging Face checkpoints in and out: config.json + (sharded) safetensors <-> Transformer.
+
+Reads a local folder as transformers writes it (config.json, model.safetensors or shards with
+model.safetensors.index.json, tokenizer files) and writes a trained policy back in the same
+layout, so transformers and vLLM load it unchanged. Weights stream tensor by tensor through
+numpy; with a mesh each parameter goes straight to its sharded layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from gppo_jax import partitioning
+from gppo_jax.model import ModelConfig, Transformer, config_from_hf, config_to_hf
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "vocab.json",
+  "merges.txt",
+  "tokenizer.model",
+  "chat_template.jinja",
+  "chat_template.json",
+  "generation_config.json",
+)
+# Buffers some exporters save that carry no weights.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """How one of our parameters maps to Hugging Face tensor(s).
+
+  `hf` is the tensor name (with "{i}" for per-layer tensors, which we stack on axis 0);
+  `hf_shape(cfg)` its shape; `to_ours` / `to_hf` convert one tensor between layouts.
+  """
+
+  hf: str
+  hf_shape: Callable[[ModelConfig], tuple[int, ...]]
+  to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+_same = lambda x, c: x
+_T = lambda x, c: x.T
+_L = "model.layers.{i}."
+
+
+def _proj_in(heads: Callable[[ModelConfig], int]) -> tuple:
+  """q/k/v_proj [heads*Dh, D] <-> ours [D, heads, Dh]."""
+  return (
+    lambda c: (heads(c) * c.head_dim, c.hidden_size),
+    lambda x, c: x.T.reshape(c.hidden_size, heads(c), c.head_dim),
+    lambda x, c: x.reshape(c.hidden_size, -1).T,
+  )
+
+
+def _bias(heads: Callable[[ModelConfig], int]) -> tuple:
+  return (
+    lambda c: (heads(c) * c.head_dim,),
+    lambda x, c: x.reshape(heads(c), c.head_dim),
+    lambda x, c: x.reshape(-1),
+  )
+
+
+_H = lambda c: c.num_heads
+_K = lambda c: c.num_kv_heads
+_D = lambda c: (c.hidden_size,)
+
+
+def param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], _Spec]:
+  """Our parameter paths (as in nnx.state) -> how each maps to Hugging Face tensors."""
+  specs = {
+    ("embed",): _Spec(
+      "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), _same, _same
+    ),
+    ("final_norm",): _Spec("model.norm.weight", _D, _same, _same),
+    ("layers", "attn_norm"): _Spec(_L + "input_layernorm.weight", _D, _same, _same),
+    ("layers", "wq"): _Spec(_L + "self_attn.q_proj.weight", *_proj_in(_H)),
+    ("layers", "wk"): _Spec(_L + "self_attn.k_proj.weight", *_proj_in(_K)),
+    ("layers", "wv"): _Spec(_L + "self_attn.v_proj.weight", *_proj_in(_K)),
+    ("layers", "wo"): _Spec(
+      _L + "self_attn.o_proj.weight",
+      lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+      lambda x, c: x.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+      lambda x, c: x.reshape(-1, c.hidden_size).T,
+    ),
+    ("layers", "mlp_norm"): _Spec(_L + "post_attention_layernorm.weight", _D, _same, _same),
+    ("layers", "w_gate"): _Spec(
+      _L + "mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T
+    ),
+    ("layers", "w_up"): _Spec(
+      _L + "mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T
+    ),
+    ("layers", "w_down"): _Spec(
+      _L + "mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), _T, _T
+    ),
+  }
+  if cfg.attention_bias:
+    specs[("layers", "bq")] = _Spec(_L + "self_attn.q_proj.bias", *_bias(_H))
+    specs[("layers", "bk")] = _Spec(_L + "self_attn.k_proj.bias", *_bias(_K))
+    specs[("layers", "bv")] = _Spec(_L + "self_attn.v_proj.bias", *_bias(_K))
+  if cfg.qk_norm:
+    hd = lambda c: (c.head_dim,)
+    specs[("layers", "q_norm")] = _Spec(_L + "self_attn.q_norm.weight", hd, _same, _same)
+    specs[("layers", "k_norm")] = _Spec(_L + "self_attn.k_norm.weight", hd, _same, _same)
+  if not cfg.tie_word_embeddings:
+    specs[("lm_head",)] = _Spec("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _T, _T)
+  return specs
+
+
+def _hf_names(spec: _Spec, cfg: ModelConfig) -> list[str]:
+  if "{i}" in spec.hf:
+    return [spec.hf.format(i=i) for i in range(cfg.num_layers)]
+  return [spec.hf]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+  """The parsed config.json of a checkpoint folder (FileNotFoundError naming the file)."""
+  f = Path(path) / CONFIG_FILE
+  if not f.is_file():
+    raise FileNotFoundError(f"{f}: missing; a Hugging Face checkpoint folder needs config.json")
+  try:
+    return json.loads(f.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{f}: invalid JSON ({e})") from e
+
+
+class SafetensorsReader:
+  """Tensors by name from one or several safetensors files of a checkpoint folder."""
+
+  def __init__(self, path: str | Path):
+    self.path = Path(path)
+    index = self.path / INDEX_FILE
+    if index.is_file():
+      try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+      except (json.JSONDecodeError, KeyError) as e:
+        raise ValueError(f"{index}: not a safetensors index (needs 'weight_map'): {e}") from e
+      files = sorted(set(weight_map.values()))
+    else:
+      files = [SINGLE_FILE] if (self.path / SINGLE_FILE).is_file() else []
+      files = files or sorted(p.name for p in self.path.glob("*.safetensors"))
+      if not files:
+        raise FileNotFoundError(
+          f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files"
+        )
+      weight_map = None
+    self._handles = {}
+    for name in files:
+      f = self.path / name
+      if not f.is_file():
+        raise FileNotFoundError(f"{f}: listed in {INDEX_FILE} but missing")
+      self._handles[name] = safe_open(str(f), framework="numpy")
+    if weight_map is None:
+      weight_map = {k: name for name, h in self._handles.items() for k in h.keys()}
+    self.weight_map: dict[str, str] = weight_map
+
+  def names(self) -> list[str]:
+    return list(self.weight_map)
+
+  def file_of(self, name: str) -> str:
+    return self.weight_map[name]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handles[self._file(name)].get_slice(name).get_shape())
+
+  def get(self, name: str) -> np.ndarray:
+    return self._handles[self._file(name)].get_tensor(name)
+
+  def _file(self, name: str) -> str:
+    if name not in self.weight_map:
+      files = ", ".join(sorted(self._handles))
+      raise KeyError(f"{self.path}: tensor {name!r} not found in {files}")
+    return self.weight_map[name]
+
+
+def _load_param(reader: SafetensorsReader, spec: _Spec, cfg: ModelConfig, dtype) -> np.ndarray:
+  want = spec.hf_shape(cfg)
+  parts = []
+  for name in _hf_names(spec, cfg):
+    got = reader.shape(name)
+    if got != want:
+      raise ValueError(
+        f"{reader.path / reader.file_of(name)}: tensor {name!r} has shape {got}, "
+        f"expected {want} from {CONFIG_FILE}"
+      )
+    parts.append(spec.to_ours(reader.get(name), cfg).astype(dtype))
+  return np.stack(parts) if "{i}" in spec.hf else parts[0]
+
+
+def _check_unexpected(reader: SafetensorsReader, cfg: ModelConfig) -> None:
+  expected = {n for s in param_specs(cfg).values() for n in _hf_names(s, cfg)}
+  if cfg.tie_word_embeddings:
+    expected.add("lm_head.weight")  # some exporters write the tied head anyway
+  extra = [n for n in reader.names() if n not in expected and not _IGNORED.match(n)]
+  if extra:
+    shown = ", ".join(f"{n} ({reader.file_of(n)})" for n in sorted(extra)[:5])
+    raise ValueError(
+      f"{reader.path}: {len(extra)} tensor(s) not used by a {cfg.family} model with "
+      f"{cfg.num_layers} layers: {shown}"
+    )
+
+
+def load_model(
+  path: str | Path,
+  *,
+  mesh: Mesh | None = None,
+  rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+  **overrides,
+) -> Transformer:
+  """A Transformer with the weights of a Hugging Face checkpoint folder.
+
+  `overrides` replace ModelConfig fields (e.g. dtype="bfloat16", param_dtype="float32").
+  With `mesh`, each parameter is placed in its sharded layout as it is read.
+  """
+  path = Path(path)
+  cfg = config_from_hf(read_config(path), **overrides)
+  reader = SafetensorsReader(path)
+  _check_unexpected(reader, cfg)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  shardings = partitioning.state_shardings(state, mesh, rules) if mesh is not None else None
+  specs = param_specs(cfg)
+  flat = dict(nnx.to_flat_state(state))
+  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  if set(flat) != set(specs):
+    raise RuntimeError(f"model parameters {sorted(flat)} != mapped {sorted(specs)}")
+  for key, var in flat.items():
+    target = var.get_value()
+    arr = _load_param(reader, specs[key], cfg, target.dtype)
+    assert arr.shape == target.shape, (key, arr.shape, target.shape)
+    if mesh is None:
+      value = jnp.asarray(arr)
+    else:
+      sharding = flat_shardings[key].get_value()
+      value = jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx])
+    var.set_value(value)
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_pretrained(path: str | Path, **kwargs):
+  """(model, tokenizer) from a Hugging Face folder; kwargs go to load_model."""
+  from gppo_jax.tokenizer import load_tokenizer
+
+  return load_model(path, **kwargs), load_tokenizer(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_size(size: int | str) -> int:
+  if isinstance(size, int):
+    return size
+  m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.IGNORECASE)
+  if not m:
+    raise ValueError(f"max_shard_size={size!r}; use bytes or e.g. '5GB', '500MB'")
+  unit = (m.group(2) or "B").upper()
+  mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
+  mult["GIB"] = 2**30
+  return int(float(m.group(1)) * mult[unit])
+
+
+def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+  """(Hugging Face name, numpy tensor) pairs of the model's weights, in checkpoint order."""
+  cfg = model.cfg
+  np_dtype = jnp.dtype(dtype or cfg.param_dtype)
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  for key, spec in param_specs(cfg).items():
+    arr = np.asarray(jax.device_get(flat[key].get_value()))
+    if "{i}" in spec.hf:
+      for i, name in enumerate(_hf_names(spec, cfg)):
+        yield name, np.ascontiguousarray(spec.to_hf(arr[i], cfg).astype(np_dtype))
+    else:
+      yield spec.hf, np.ascontiguousarray(spec.to_hf(arr, cfg).astype(np_dtype))
+
+
+def _hf_config(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None) -> dict[str, Any]:
+  out = dict(base or {})
+  ours = config_to_hf(cfg)
+  ours["torch_dtype"] = dtype
+  out.update(ours)
+  out.pop("dtype", None)
+  if "rope_parameters" in out:  # transformers>=5 layout: keep it consistent with ours
+    out["rope_parameters"] = {
+      "rope_type": "default",
+      **(out["rope_scaling"] or {}),
+      "rope_theta": cfg.rope_theta,
+    }
+  return out
+
+
+def save_model(
+  model: Transformer,
+  path: str | Path,
+  *,
+  source: str | Path | None = None,
+  dtype: str | None = None,
+  max_shard_size: int | str = "5GB",
+) -> Path:
+  """Writes the model as a Hugging Face folder loadable by transformers and vLLM.
+
+  config.json is generated from the model (on top of `source`'s config.json when given, so
+  unrelated fields survive); weights go to model.safetensors, or to numbered shards with
+  model.safetensors.index.json above `max_shard_size`; tokenizer files are copied from `source`.
+  """
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  cfg = model.cfg
+  dtype = dtype or cfg.param_dtype
+  limit = _parse_size(max_shard_size)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, arr in hf_tensors(model, dtype):
+    if shards[-1] and size + arr.nbytes > limit:
+      shards.append({})
+      size = 0
+    shards[-1][name] = arr
+    size += arr.nbytes
+  meta = {"format": "pt"}
+  if len(shards) == 1:
+    save_file(shards[0], str(path / SINGLE_FILE), metadata=meta)
+  else:
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+      save_file(shard, str(path / fname), metadata=meta)
+      weight_map.update({k: fname for k in shard})
+    total = sum(a.nbytes for s in shards for a in s.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+  base = read_config(source) if source is not None else None
+  (path / CONFIG_FILE).write_text(json.dumps(_hf_config(cfg, dtype, base), indent=2) + "\n")
+  if source is not None:
+    for fname in TOKENIZER_FILES:
+      src = Path(source) / fname
+      if src.is_file() and src.resolve() != (path / fname).resolve():
+        shutil.copyfile(src, path / fname)
+  return path
