@@ -35,11 +35,11 @@ from gppo_jax import estimators as ests
 ArrayLike = float | Sequence[float] | np.ndarray
 
 # Searches evaluate a grid of _GRID points, keep the bracket around the answer and zoom in; each
-# round shrinks the bracket by a factor of (_GRID - 1) / 2 (minimum) or _GRID - 1 (crossing), so
-# _ROUNDS rounds resolve it far below float64 resolution of the results. Everything is vectorised
-# and eager (no per-shape compilation).
+# round shrinks the bracket by a factor of 32 (minimum of a convex function, _MIN_ROUNDS rounds) or
+# 64 (crossing of a monotone predicate, _CROSS_ROUNDS rounds): below float64 resolution (2^-52).
 _GRID = 65
-_ROUNDS = 11
+_MIN_ROUNDS = 11
+_CROSS_ROUNDS = 9
 
 CLI_DIVERGENCES = ("tv", "kl", "hellinger", "chi2", "forward_kl", "js")
 CLI_ESTIMATORS = ("mc", "binary", "atomic")
@@ -99,7 +99,7 @@ def _crossing(inside, lo: np.ndarray, hi: np.ndarray, rising: bool) -> np.ndarra
   """The boundary x in [lo, hi] of a monotone predicate: inside(lo) and not inside(hi) if rising
   (the set is [lo, x]), else not inside(lo) and inside(hi) (the set is [x, hi])."""
   idx = np.arange(_GRID)
-  for _ in range(_ROUNDS):
+  for _ in range(_CROSS_ROUNDS):
     x = _bracket_grid(lo, hi)
     ok = inside(x)
     if rising:  # the last inside point and the one after it
@@ -136,7 +136,7 @@ def _lower_bound_search(div: divs.Divergence, v: np.ndarray) -> tuple[np.ndarray
   best = np.full_like(v, np.inf)
   arg = np.zeros_like(v)
   rows = np.arange(v.size)
-  for _ in range(_ROUNDS):
+  for _ in range(_MIN_ROUNDS):
     beta = _bracket_grid(lo, hi)
     g = _binary_value(div, v[:, None], beta)
     i = np.argmin(np.where(np.isnan(g), np.inf, g), axis=-1)
@@ -330,7 +330,7 @@ def plot_level_sets(path: str, names: Sequence[str], eps: float = 0.2) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  q = np.geomspace(1e-6, 0.999, 300)
+  q = np.geomspace(1e-6, 0.999, 160)
   cols = min(3, len(names))
   rows = -(-len(names) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
