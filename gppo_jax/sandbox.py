@@ -445,14 +445,16 @@ def _run_check(spec: dict, forked: _Forked) -> list[dict]:
   t0 = time.monotonic()
   deadline = t0 + spec["timeout_s"]
   first_failure: list[dict] = []
-  try:
-    chan = _Channel(spec, forked, deadline)
-  except _CandidateFailure as e:
-    return [dict(e.res, time_s=time.monotonic() - t0)]
+  chan: _Channel | None = None
 
   def candidate(*args: object, **kwargs: object) -> object:
+    if chan is None:
+      raise RuntimeError("the test code called the candidate while being loaded")
     try:
       return chan.call(spec["fn"], args, kwargs, deadline)
+    except (TypeError, ValueError) as e:  # arguments we cannot send: the test's problem
+      first_failure.append({"status": Status.INFRA_ERROR.value, "detail": f"test arguments: {e}"})
+      raise
     except _CandidateFailure as e:
       if chan.dead is not None:  # crash, timeout, memory: sticky even if the test swallows it
         first_failure.append(e.res)
@@ -465,11 +467,21 @@ def _run_check(spec: dict, forked: _Forked) -> list[dict]:
 
   candidate.__name__ = spec["fn"]
   ns: dict = {"__name__": "__gppo_check__"}
-  try:
+  try:  # trusted code first: a broken test is the data's fault, never the program's
     exec(compile(spec["setup_code"], "<setup>", "exec"), ns)
     ns[spec["fn"]] = candidate  # tests may call the function by name as well
     exec(compile(spec["test_code"], "<test>", "exec"), ns)
-    ns[spec["check_fn"]](candidate)
+    check = ns[spec["check_fn"]]
+  except Exception as e:  # noqa: BLE001
+    forked.kill()
+    detail = f"setup/test code failed: {type(e).__name__}: {e}"[:1000]
+    return [{"status": Status.INFRA_ERROR.value, "detail": detail, "time_s": 0.0}]
+  try:
+    chan = _Channel(spec, forked, deadline)
+  except _CandidateFailure as e:
+    return [dict(e.res, time_s=time.monotonic() - t0)]
+  try:
+    check(candidate)
     res = {"status": Status.OK.value}
   except _CandidateFailure as e:
     res = dict(e.res)
@@ -820,15 +832,18 @@ class _UidLease:
 
 
 def _processes_of(uid: int) -> list[int]:
-  """Pids of processes whose real uid is `uid` (reads /proc)."""
+  """Pids of processes with `uid` as real or effective uid (from /proc/PID/status, which is
+  right for non-dumpable processes too, unlike the owner of /proc/PID)."""
   pids = []
   for name in os.listdir("/proc"):
     if name.isdigit():
       try:
-        if os.stat(f"/proc/{name}").st_uid == uid:
-          pids.append(int(name))
-      except OSError:
-        pass
+        with open(f"/proc/{name}/status") as f:
+          uids = next(ln for ln in f if ln.startswith("Uid:")).split()[1:3]
+      except (OSError, StopIteration):
+        continue
+      if str(uid) in uids:
+        pids.append(int(name))
   return pids
 
 
@@ -950,6 +965,12 @@ class Sandbox:
 
     self._slots = queue.Queue()
 
+  def __del__(self) -> None:
+    try:
+      self.close()
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+      pass
+
   def __enter__(self) -> Sandbox:
     return self
 
@@ -975,7 +996,7 @@ class Sandbox:
     cfg = self.config
     spec = {
       "mode": job.mode,
-      "program": job.program,
+      "program": _clean(job.program),
       "fn": job.fn,
       "timeout_s": timeout_s,
       "cpu_s": timeout_s + 1,
@@ -985,7 +1006,7 @@ class Sandbox:
       "nonce": os.urandom(16).hex(),
     }
     if job.mode == "stdio":
-      spec["cases"] = [{"stdin": c.stdin, "expected": c.expected} for c in job.cases]
+      spec["cases"] = [{"stdin": _clean(c.stdin), "expected": c.expected} for c in job.cases]
     elif job.mode == "call":
       spec["cases"] = []
       for c in job.cases:
@@ -1112,6 +1133,11 @@ class Sandbox:
       ok = not case.judge or call_result_matches(c.value, case.expected, case.accept_unwrapped)
       c.status = Status.OK if ok else Status.WRONG_ANSWER
     return c
+
+
+def _clean(text: str) -> str:
+  """Text the runner can write as UTF-8 (model output may hold lone surrogates)."""
+  return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _which(tool: str) -> str | None:

@@ -138,6 +138,11 @@ def test_call_and_check_modes(sb):
   raising = "def f(x):\n  raise ValueError('no')\n"
   expects = "def check(c):\n  try:\n    c(1)\n  except ValueError:\n    return\n  assert False\n"
   assert sb.run(Job.check(raising, "f", expects)).status == Status.OK
+  # Broken trusted test code or arguments that cannot be sent are the data's fault: infra.
+  for test in ("def check(c):\n  assert c(1\n", "def check(c):\n  c(object())\n"):
+    r = sb.run(Job.check(prog, "f", test))
+    assert r.status == Status.INFRA_ERROR, r
+  assert sb.run(Job.check(prog, "f", test, check_fn="nope")).status == Status.INFRA_ERROR
 
 
 @needs_root
