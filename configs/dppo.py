@@ -1,0 +1,10 @@
+"""DPPO as a GPPO cell (settings: gppo_jax/presets.py, GPPO.md section 5).
+
+python -m gppo_jax.train --config=configs/dppo.py[:smoke]
+"""
+
+from gppo_jax import config_lib
+
+
+def get_config(arg=None):
+  return config_lib.preset("dppo", arg)

@@ -1,0 +1,10 @@
+"""Grid cell kl x mc: base config with default delta f(1 - 0.2) for kl.
+
+python -m gppo_jax.train --config=configs/kl_mc.py[:smoke]
+"""
+
+from gppo_jax import config_lib
+
+
+def get_config(arg=None):
+  return config_lib.cell("kl", "mc", arg)

@@ -1,0 +1,221 @@
+"""The shared base config and its variants; `configs/*.py` are thin files built on these.
+
+`get_config(arg)` in every config file accepts a comma-separated argument string:
+  smoke         a seconds-long run of every stage (tests, first try on a new machine)
+  task=NAME     another built-in task (see gppo_jax.tasks.TASKS)
+Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from gppo_jax import presets
+
+REQUIRED = {
+  "task": ("name",),
+  "model": ("preset", "path", "dtype", "param_dtype"),
+  "rollout": ("prompts_per_iter", "group_size", "max_new_tokens", "temperature"),
+  "loss": ("divergence", "estimator", "delta_low", "delta_high", "aggregation"),
+  "advantage": ("name",),
+  "optim": ("lr",),
+  "train": ("epochs", "minibatches", "microbatches"),
+}
+
+
+def parse_arg(arg: str | None) -> dict[str, str]:
+  out = {}
+  for part in (arg or "").split(","):
+    part = part.strip()
+    if not part:
+      continue
+    key, _, value = part.partition("=")
+    out[key] = value or "1"
+  return out
+
+
+def base(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The shared base: KL-Atomic on the built-in arithmetic task with a tiny warm-started policy."""
+  args = parse_arg(arg)
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.iterations = 120  # RL iterations: rollout + update each.
+  c.log_every = 1
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = args.get("task", "arith_mix")  # built-in task, used when data.train_path is None
+
+  # Real data (JSONL / Parquet files); see README "Data files".
+  c.data = ml_collections.ConfigDict()
+  c.data.train_path = ml_collections.config_dict.placeholder(str)
+  c.data.eval_path = ml_collections.config_dict.placeholder(str)
+  c.data.kind = "math"  # math | code
+  c.data.prompt_field = "prompt"
+  c.data.answer_field = "answer"
+  c.data.tests_field = "tests"
+  c.data.system_prompt = ml_collections.config_dict.placeholder(str)
+  c.data.instruction = ml_collections.config_dict.placeholder(str)
+  c.data.max_prompt_tokens = 1024
+  c.data.verifier_workers = 4
+  c.data.verifier_timeout_s = 5.0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "char-tiny"  # used when model.path is None
+  c.model.path = ml_collections.config_dict.placeholder(str)  # local Hugging Face folder
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+  c.model.export_hf = False  # also write a Hugging Face folder at the end of training
+
+  # Supervised warm start of the built-in policy (cached; skipped for model.path).
+  c.warmstart = ml_collections.ConfigDict()
+  c.warmstart.enabled = True
+  c.warmstart.target_accuracy = 0.30
+  c.warmstart.max_steps = 3000
+  c.warmstart.eval_every = 25
+  c.warmstart.eval_size = 256
+  c.warmstart.batch_size = 128
+  c.warmstart.lr = 3e-3
+  c.warmstart.cache_dir = "~/.cache/gppo_jax/warmstart"
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompts_per_iter = 64
+  c.rollout.group_size = 8
+  c.rollout.max_new_tokens = 8
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
+  c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (GPPO.md section 1)
+
+  cell = presets.cell("kl", "atomic")
+  c.loss = ml_collections.ConfigDict()
+  c.loss.divergence = cell.divergence
+  c.loss.estimator = cell.estimator
+  # Default radii f(1 - 0.2) match PPO's contraction bound; the paper's own deltas are unknown to
+  # us and are a sweep axis.
+  c.loss.delta_low = cell.delta_low
+  c.loss.delta_high = cell.delta_high
+  c.loss.aggregation = "token-mean"
+  c.loss.max_len = ml_collections.config_dict.placeholder(int)  # Dr.GRPO normaliser (default R)
+  c.loss.ratio_cap = ml_collections.config_dict.placeholder(float)
+  c.loss.dual_clip = ml_collections.config_dict.placeholder(float)
+  c.loss.kl_coef = 0.0  # penalty to the frozen initial policy (k3)
+  c.loss.entropy_coef = 0.0
+
+  c.advantage = ml_collections.ConfigDict()
+  c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | batch_std
+  c.advantage.eps = 1e-6  # grpo: (R - mean) / (std + eps)
+  c.advantage.ddof = 1  # grpo: unbiased std
+  c.advantage.filter_zero_signal = False  # DAPO dynamic sampling: drop all-equal groups
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-4
+  c.optim.schedule = "constant"
+  c.optim.warmup_steps = 0
+  c.optim.weight_decay = 0.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.grad_clip = 1.0
+
+  c.train = ml_collections.ConfigDict()
+  c.train.epochs = 2
+  c.train.minibatches = 4
+  c.train.microbatches = 1
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 20
+  c.eval.num_problems = 512
+  c.eval.k = 4  # samples per problem for avg@k / pass@k
+  c.eval.temperature = 1.0
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 20
+  c.checkpoint.keep = 3
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  if "smoke" in args:
+    c.iterations = 3
+    c.rollout.prompts_per_iter = 8
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 6
+    c.train.minibatches = 2
+    c.warmstart.max_steps = 30
+    c.warmstart.eval_every = 10
+    c.warmstart.eval_size = 64
+    c.warmstart.batch_size = 64
+    c.warmstart.cache_dir = ""  # no cache: smoke runs are self-contained
+    c.eval.every = 2
+    c.eval.num_problems = 32
+    c.eval.k = 2
+    c.checkpoint.every = 2
+  return c
+
+
+def cell(divergence: str, estimator: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """A grid cell: the base config with the cell's divergence, estimator and default delta."""
+  c = base(arg)
+  settings = presets.cell(divergence, estimator)
+  c.loss.divergence = settings.divergence
+  c.loss.estimator = settings.estimator
+  c.loss.delta_low = settings.delta_low
+  c.loss.delta_high = settings.delta_high
+  return c
+
+
+def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """A named algorithm (ppo, dapo, dppo, ripo, ...) on the base config."""
+  c = base(arg)
+  s = presets.get(name)
+  c.loss.divergence = s.divergence
+  c.loss.estimator = s.estimator
+  c.loss.delta_low = s.delta_low
+  c.loss.delta_high = s.delta_high
+  c.loss.aggregation = s.aggregation
+  c.loss.ratio_cap = s.ratio_cap
+  c.loss.dual_clip = s.dual_clip
+  c.advantage.name = s.advantage
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming every missing or invalid field of a config."""
+  missing = []
+  for section, fields in REQUIRED.items():
+    if section not in c:
+      missing.append(section)
+      continue
+    missing += [f"{section}.{f}" for f in fields if f not in c[section]]
+  if missing:
+    raise ValueError(f"config is missing required fields: {', '.join(missing)}")
+  # Names are checked against the registries here, before any compile.
+  from gppo_jax import advantages, divergences, estimators, objective
+
+  divergences.get(c.loss.divergence)
+  estimators.get(c.loss.estimator)
+  advantages.get(c.advantage.name)
+  if c.loss.aggregation not in objective.AGGREGATIONS:
+    raise ValueError(
+      f"loss.aggregation={c.loss.aggregation!r}; valid: {', '.join(objective.AGGREGATIONS)}"
+    )
+  for name in ("delta_low", "delta_high"):
+    if not c.loss[name] > 0:
+      raise ValueError(f"loss.{name} must be > 0, got {c.loss[name]}")
+  r, u = c.rollout, c.train
+  n = r.prompts_per_iter * r.group_size
+  if r.group_size < 2:
+    raise ValueError("rollout.group_size must be >= 2 for group-relative advantages")
+  if n % (u.minibatches * u.microbatches):
+    raise ValueError(
+      f"rollout.prompts_per_iter * rollout.group_size = {n} must be divisible by "
+      f"train.minibatches * train.microbatches = {u.minibatches * u.microbatches}"
+    )
+  if c.loss.estimator == "topk" and not r.num_topk:
+    raise ValueError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
+  if c.loss.estimator == "exact":
+    raise ValueError("loss.estimator='exact' is a diagnostic, not a trust region for training")
+  if c.data.train_path is None and c.model.path is not None:
+    raise ValueError("model.path is set but data.train_path is not: a real model needs real data")

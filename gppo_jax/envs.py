@@ -1,0 +1,205 @@
+"""Environments: where prompts come from and how responses are scored.
+
+An `Env` hands out tokenized training prompts with their gold answers, holds a fixed held-out
+evaluation set, and turns decoded responses into rewards. Two kinds:
+
+  BuiltinEnv  a synthetic task from gppo_jax.tasks (no files, no downloads; the CPU default)
+  DataEnv     JSONL / Parquet files (gppo_jax.data) scored by the math verifier or the code sandbox
+
+Both are deterministic given (seed, position), and expose their position as a JSON-able dict so a
+resumed run continues with exactly the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from gppo_jax import tasks
+
+
+@dataclasses.dataclass
+class Prompt:
+  token_ids: list[int]
+  gold: Any  # answer string (math / built-in) or tests (code)
+  text: str = ""
+  level: int = 0
+
+
+class Env(Protocol):
+  tokenizer: Any
+  max_prompt_len: int
+  max_new_tokens: int
+
+  def train_prompts(self, n: int) -> list[Prompt]: ...
+  def eval_prompts(self) -> list[Prompt]: ...
+  def score(
+    self, responses: Sequence[str], prompts: Sequence[Prompt]
+  ) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(rewards float32 [n], valid bool [n], metrics): invalid = infrastructure error, excluded."""
+
+  def state(self) -> dict: ...
+  def restore(self, state: dict) -> None: ...
+  def close(self) -> None: ...
+
+
+class BuiltinEnv:
+  """A built-in synthetic task with its character tokenizer."""
+
+  def __init__(self, task_name: str, *, seed: int, eval_size: int, eval_seed: int = 12345):
+    self.task = tasks.get(task_name)
+    self.tokenizer = tasks.CharTokenizer()
+    self.seed = seed
+    self.draws = 0
+    self._eval = [self._prompt(p) for p in self.task.eval_set(eval_size, seed=eval_seed)]
+    # BOS + prompt characters; answers end with EOS.
+    self.max_prompt_len = self.task.max_prompt_len + 1
+    self.max_new_tokens = self.task.max_answer_len + 1
+
+  def _prompt(self, p: tasks.Problem) -> Prompt:
+    return Prompt(self.tokenizer.encode(p.prompt, add_bos=True), p.answer, p.prompt, p.level)
+
+  def train_prompts(self, n: int) -> list[Prompt]:
+    rng = np.random.default_rng([self.seed, self.draws])
+    self.draws += 1
+    return [self._prompt(p) for p in self.task.sample(rng, n, split="train")]
+
+  def eval_prompts(self) -> list[Prompt]:
+    return self._eval
+
+  def score(self, responses, prompts):
+    rewards = np.array(
+      [
+        self.task.reward(r, tasks.Problem(p.text, p.gold))
+        for r, p in zip(responses, prompts, strict=True)
+      ],
+      np.float32,
+    )
+    return rewards, np.ones(len(rewards), bool), {}
+
+  def state(self) -> dict:
+    return {"draws": self.draws}
+
+  def restore(self, state: dict) -> None:
+    self.draws = int(state["draws"])
+
+  def close(self) -> None:
+    pass
+
+
+class DataEnv:
+  """Prompts from local files, scored by math-verify (kind="math") or the code sandbox ("code")."""
+
+  def __init__(self, data_cfg, tokenizer, *, seed: int, batch_size: int, max_new_tokens: int):
+    from gppo_jax import data as data_lib
+
+    self.tokenizer = tokenizer
+    self.kind = data_cfg.kind
+    if self.kind not in ("math", "code"):
+      raise ValueError(f"data.kind must be 'math' or 'code', got {self.kind!r}")
+    fields = data_lib.Fields(
+      prompt=data_cfg.prompt_field, answer=data_cfg.answer_field, tests=data_cfg.tests_field
+    )
+    self._scorer = None
+    check = None
+    if self.kind == "math":
+      from gppo_jax import math_reward
+
+      self._scorer = math_reward.MathVerifier(
+        num_workers=data_cfg.verifier_workers, timeout_s=data_cfg.verifier_timeout_s
+      )
+      check = self._scorer.check_golds
+    instruction = data_cfg.instruction
+    if instruction is None and self.kind == "math":
+      instruction = data_lib.MATH_INSTRUCTION
+    load = dict(
+      task=self.kind,
+      fields=fields,
+      apply_template=_template_fn(tokenizer),
+      encode=tokenizer.encode,
+      system_prompt=data_cfg.system_prompt,
+      instruction=instruction,
+      max_prompt_tokens=data_cfg.max_prompt_tokens,
+      check_answers=check,
+    )
+    train = data_lib.load_dataset(data_cfg.train_path, **load)
+    self._iter = data_lib.PromptIterator(train.examples, batch_size, seed=seed)
+    evals = data_lib.load_dataset(data_cfg.eval_path, **load) if data_cfg.eval_path else None
+    self._eval = [self._prompt(e) for e in (evals.examples if evals else [])]
+    longest = max(len(e.token_ids) for e in train.examples)
+    if self._eval:
+      longest = max(longest, max(len(p.token_ids) for p in self._eval))
+    self.max_prompt_len = -(-longest // 64) * 64  # one compiled sampler per 64-token bucket
+    self.max_new_tokens = max_new_tokens
+    if self.kind == "code":
+      from gppo_jax import code_reward
+
+      self._scorer = code_reward.CodeScorer()
+
+  @staticmethod
+  def _prompt(e) -> Prompt:
+    return Prompt(list(e.token_ids), e.answer if e.answer is not None else e.tests, e.text)
+
+  def train_prompts(self, n: int) -> list[Prompt]:
+    batch = next(self._iter)
+    if len(batch) != n:
+      raise ValueError(f"data iterator returned {len(batch)} prompts, expected {n}")
+    return [self._prompt(e) for e in batch]
+
+  def eval_prompts(self) -> list[Prompt]:
+    return self._eval
+
+  def score(self, responses, prompts):
+    golds = [p.gold for p in prompts]
+    if self.kind == "math":
+      from gppo_jax import math_reward
+
+      results = self._scorer.score_batch(list(responses), golds)
+      counts = math_reward.status_counts(results)
+      rewards = np.array([r.score for r in results], np.float32)
+      valid = np.ones(len(results), bool)
+    else:
+      from gppo_jax import code_reward
+
+      results = self._scorer.score_batch(list(responses), golds)
+      counts = code_reward.status_counts(results)
+      scores, ok = code_reward.rewards_and_mask(results)
+      rewards, valid = np.asarray(scores, np.float32), np.asarray(ok, bool)
+    return rewards, valid, {f"reward/status_{k}": v for k, v in counts.items()}
+
+  def state(self) -> dict:
+    return {"iterator": self._iter.state()}
+
+  def restore(self, state: dict) -> None:
+    self._iter.restore(state["iterator"])
+
+  def close(self) -> None:
+    if self._scorer is not None:
+      self._scorer.close()
+
+
+def _template_fn(tokenizer):
+  apply = getattr(tokenizer, "apply_chat_template", None)
+  if apply is None:
+    logging.warning("tokenizer has no chat template: prompts are used as plain text")
+    return None
+  return apply
+
+
+def make_env(config, tokenizer=None) -> Env:
+  """The environment a config describes: data files if data.train_path is set, else a task."""
+  if config.data.train_path is None:
+    return BuiltinEnv(config.task.name, seed=config.seed, eval_size=config.eval.num_problems)
+  if tokenizer is None:
+    raise ValueError("data files need the model's tokenizer (model.path)")
+  return DataEnv(
+    config.data,
+    tokenizer,
+    seed=config.seed,
+    batch_size=config.rollout.prompts_per_iter,
+    max_new_tokens=config.rollout.max_new_tokens,
+  )

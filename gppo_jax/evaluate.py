@@ -1,0 +1,134 @@
+"""Sampling rollouts for prompts and evaluating a policy: greedy accuracy, avg@k and pass@k.
+
+  python -m gppo_jax.evaluate --config=configs/kl_atomic.py --workdir=workdirs/kl_atomic
+
+evaluates the latest checkpoint in the workdir (or the initial policy with --checkpoint=init) on the
+config's held-out set and prints a JSON report with the decoding settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gppo_jax import pass_at_k, sampler
+from gppo_jax.envs import Prompt
+
+
+def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: Sequence[int]):
+  """Response texts: the masked tokens without the stop token."""
+  stops = set(int(s) for s in stop_ids)
+  out = []
+  for row, m in zip(np.asarray(tokens), np.asarray(mask), strict=True):
+    ids = [int(t) for t, keep in zip(row, m, strict=True) if keep and int(t) not in stops]
+    out.append(tokenizer.decode(ids))
+  return out
+
+
+def sample_prompts(
+  graphdef: nnx.GraphDef,
+  params,
+  prompts: Sequence[Prompt],
+  sampling: sampler.SamplingParams,
+  key: jax.Array,
+  *,
+  prompt_len: int,
+  pad_id: int,
+  batch_size: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, sampler.SampleOutput]:
+  """Samples one response per prompt; returns (prompt_tokens, prompt_mask, output) as numpy.
+
+  Prompts are left-padded to `prompt_len` and, with `batch_size`, processed in equal batches (the
+  last one padded by repetition) so one compiled sampler serves every call.
+  """
+  tokens, mask = sampler.left_pad([p.token_ids for p in prompts], pad_id=pad_id, length=prompt_len)
+  n = len(prompts)
+  bs = batch_size or n
+  outs = []
+  for start in range(0, n, bs):
+    idx = np.arange(start, start + bs) % n
+    out = sampler.sample_jit(
+      graphdef, params, tokens[idx], mask[idx], jax.random.fold_in(key, start), sampling
+    )
+    out = jax.tree.map(np.asarray, out)
+    take = min(bs, n - start)
+    outs.append(jax.tree.map(lambda x, take=take: x[:take], out))
+  merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
+  return tokens, mask, merged
+
+
+def evaluate_policy(
+  graphdef: nnx.GraphDef,
+  params,
+  env,
+  key: jax.Array,
+  *,
+  k: int = 4,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  batch_size: int = 256,
+  max_new_tokens: int | None = None,
+  prompts: Sequence[Prompt] | None = None,
+) -> dict[str, float]:
+  """Greedy accuracy plus avg@k and unbiased pass@k (k samples at `temperature`) on env's eval set
+  (or on `prompts`)."""
+  prompts = env.eval_prompts() if prompts is None else prompts
+  if not prompts:
+    return {}
+  tok = env.tokenizer
+  stop_ids = tuple(getattr(tok, "eos_ids", ()) or ())
+  max_new = max_new_tokens or env.max_new_tokens
+  pad_id = getattr(tok, "pad_id", 0)
+  common = dict(
+    prompt_len=env.max_prompt_len, pad_id=pad_id, batch_size=min(batch_size, len(prompts))
+  )
+  greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
+  _, _, out = sample_prompts(graphdef, params, prompts, greedy, key, **common)
+  rewards, valid, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), prompts)
+  metrics = {"eval/accuracy": float(np.mean(rewards[valid])) if valid.any() else float("nan")}
+  if k > 0:
+    sampling = sampler.SamplingParams(
+      max_new, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
+    )
+    rep = [p for p in prompts for _ in range(k)]
+    common["batch_size"] = min(batch_size, len(rep))
+    _, _, out = sample_prompts(
+      graphdef, params, rep, sampling, jax.random.fold_in(key, 1), **common
+    )
+    r, _, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), rep)
+    correct = r.reshape(len(prompts), k) > 0.5
+    metrics[f"eval/avg@{k}"] = float(pass_at_k.avg_at_n(correct))
+    metrics[f"eval/pass@{k}"] = pass_at_k.mean_pass_at_k(correct, k)
+  return metrics
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  from ml_collections import config_flags
+
+  from gppo_jax import train
+
+  cfg = flags.FLAGS.config
+  workdir = flags.FLAGS.workdir or train.default_workdir(
+    config_flags.get_config_filename(flags.FLAGS["config"])
+  )
+  report = train.evaluate_checkpoint(cfg, workdir, which=flags.FLAGS.checkpoint)
+  print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+  flags.DEFINE_string("workdir", None, "Run folder holding checkpoints/.")
+  flags.DEFINE_string("checkpoint", "latest", "'latest' (in workdir) or 'init' (initial policy).")
+  flags.mark_flags_as_required(["config"])
+  logging.getLogger("absl").setLevel(logging.INFO)
+  app.run(main)

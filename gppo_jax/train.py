@@ -1,0 +1,445 @@
+"""GPPO training: the main entry point.
+
+  python -m gppo_jax.train --config=configs/kl_atomic.py [--workdir=DIR] [--config.loss.delta=...]
+
+Each iteration samples prompts, generates `group_size` responses per prompt with the KV-cached
+sampler (keeping the behaviour log-probs), scores them, computes group-relative advantages and runs
+one jitted update of epochs x mini-batches over that rollout batch (updates after the first are
+off-policy: that is where the trust region acts). The Python loop only logs, evaluates and saves.
+Rerunning with the same workdir resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from gppo_jax import (
+  advantages,
+  checkpointing,
+  config_lib,
+  envs,
+  evaluate,
+  metric_writers,
+  sampler,
+  train_step,
+)
+from gppo_jax import model as model_lib
+
+log = logging.getLogger("gppo_jax")
+
+
+def default_workdir(config_path: str | None) -> str:
+  """./workdirs/<config file name>[_<arg>] for `--config=configs/kl_atomic.py[:arg]`."""
+  name = "run"
+  if config_path:
+    path, _, arg = str(config_path).partition(":")
+    name = os.path.splitext(os.path.basename(path))[0] + (f"_{arg}" if arg else "")
+  return os.path.join("workdirs", name.replace(",", "_").replace("=", "-"))
+
+
+# --- Model and environment ----------------------------------------------------------------------
+
+
+def build_policy(config, say=print):
+  """(graphdef, params, model_cfg, env, info) for the config: built-in task or HF folder + data."""
+  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  if config.model.path is not None:
+    from gppo_jax import hf_checkpoint
+
+    if not os.path.isdir(config.model.path):
+      raise FileNotFoundError(f"model.path={config.model.path!r} is not a folder")
+    model, tokenizer = hf_checkpoint.load_pretrained(config.model.path, **overrides)
+    env = envs.make_env(config, tokenizer)
+    graphdef, params = nnx.split(model)
+    return graphdef, params, model.cfg, env, {}
+  env = envs.make_env(config)
+  tok = env.tokenizer
+  # The built-in policy's vocabulary is exactly the task's characters.
+  cfg = model_lib.get_preset(
+    config.model.preset,
+    vocab_size=tok.vocab_size,
+    bos_token_id=tok.bos_id,
+    eos_token_ids=tok.eos_ids,
+    pad_token_id=tok.pad_id,
+    **overrides,
+  )
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(config.seed))
+  graphdef, params = nnx.split(model)
+  say(f"policy: preset {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
+  info = {}
+  if config.warmstart.enabled:
+    from gppo_jax import warmstart
+
+    params, info = warmstart.warm_start(
+      graphdef, params, env, cfg, config.warmstart, seed=config.seed, log=say
+    )
+  return graphdef, params, cfg, env, info
+
+
+def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
+  r = config.rollout
+  return sampler.SamplingParams(
+    max_new_tokens=min(r.max_new_tokens, env.max_new_tokens)
+    if hasattr(env, "task")
+    else r.max_new_tokens,
+    temperature=r.temperature,
+    top_p=r.top_p,
+    top_k=r.top_k,
+    stop_ids=tuple(stop_ids),
+    pad_id=pad_id,
+    num_topk=r.num_topk,
+  )
+
+
+def _nan_guard(metrics: dict[str, float], iteration: int) -> None:
+  bad = [
+    k for k in ("loss/total", "optim/grad_norm") if k in metrics and not np.isfinite(metrics[k])
+  ]
+  if bad:
+    raise FloatingPointError(
+      f"non-finite {bad} at iteration {iteration}; the last good checkpoint is kept. Lower "
+      "optim.lr or check the data."
+    )
+
+
+class _Preempted(Exception):
+  pass
+
+
+# --- The loop -----------------------------------------------------------------------------------
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains per `config`, writing logs, checkpoints and a summary into `workdir`."""
+  t_start = time.time()
+  config_lib.validate(config)
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  log.info("resolved config:\n%s", config)
+
+  writer_holder: dict[str, metric_writers.MetricWriter] = {}
+
+  def say(text: str) -> None:
+    log.debug(text)
+    if "w" in writer_holder:
+      writer_holder["w"].print(text)
+    elif is_main:
+      print(text, file=sys.stderr, flush=True)
+
+  # --- Policy, environment, optimizer -----------------------------------------------------------
+  graphdef, init_params, model_cfg, env, warm_info = build_policy(config, say)
+  tok = env.tokenizer
+  stop_ids = tuple(model_cfg.eos_token_ids)
+  pad_id = model_cfg.pad_token_id
+  r, u = config.rollout, config.train
+  steps_per_iter = u.epochs * u.minibatches
+  tx = train_step.make_optimizer(
+    lr=config.optim.lr,
+    total_steps=config.iterations * steps_per_iter,
+    warmup_steps=config.optim.warmup_steps,
+    schedule=config.optim.schedule,
+    weight_decay=config.optim.weight_decay,
+    b1=config.optim.b1,
+    b2=config.optim.b2,
+    grad_clip=config.optim.grad_clip,
+  )
+  state = train_step.TrainState(
+    params=init_params, opt_state=tx.init(init_params), step=jnp.zeros((), jnp.int32)
+  )
+  sampling = sampling_params(config, env, stop_ids=stop_ids, pad_id=pad_id)
+  resp_len = sampling.max_new_tokens
+  prompt_len = env.max_prompt_len
+  loss_kwargs = dict(
+    divergence=config.loss.divergence,
+    estimator=config.loss.estimator,
+    delta_low=config.loss.delta_low,
+    delta_high=config.loss.delta_high,
+    aggregation=config.loss.aggregation,
+    max_len=config.loss.max_len or resp_len,
+    ratio_cap=config.loss.ratio_cap,
+    dual_clip=config.loss.dual_clip,
+  )
+  spec = train_step.UpdateSpec(
+    prompt_len=prompt_len,
+    epochs=u.epochs,
+    minibatches=u.minibatches,
+    microbatches=u.microbatches,
+    temperature=r.temperature,
+    entropy_coef=config.loss.entropy_coef,
+    kl_coef=config.loss.kl_coef,
+    use_topk=config.loss.estimator == "topk",
+  )
+  update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), donate_argnums=0)
+  logprob_fn = train_step.make_logprob_fn(
+    graphdef, prompt_len=prompt_len, temperature=r.temperature
+  )
+  ref_params = init_params if config.loss.kl_coef > 0 else None
+
+  # --- Checkpoints: resume if the workdir has one ------------------------------------------------
+  mngr = checkpointing.make_manager(
+    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.keep
+  )
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  start_step, restored, meta = checkpointing.restore_latest(mngr, abstract)
+  base_key = jax.random.PRNGKey(config.seed)
+  history: dict[str, Any] = {"warm_start": warm_info}
+  start_iter = 0
+  eval_key = jax.random.fold_in(base_key, 10**9)
+  if restored is not None:
+    state = restored
+    start_iter = int(meta["iteration"])
+    env.restore(meta["env"])
+    history = meta.get("history", history)
+    say(f"resumed from {mngr.directory} at iteration {start_iter}/{config.iterations}")
+  else:
+    say("evaluating the initial policy ...")
+    history["initial_eval"] = evaluate.evaluate_policy(
+      graphdef,
+      state.params,
+      env,
+      eval_key,
+      k=config.eval.k,
+      temperature=config.eval.temperature,
+      max_new_tokens=resp_len,
+    )
+    say("initial policy: " + _fmt(history["initial_eval"]))
+
+  writer = metric_writers.MetricWriter(
+    workdir, total_steps=config.iterations, initial_step=start_iter
+  )
+  writer_holder["w"] = writer
+  if restored is None:
+    writer.write(0, history["initial_eval"])
+
+  def save(iteration: int, wait: bool = False) -> None:
+    meta = {
+      "iteration": iteration,
+      "env": env.state(),
+      "history": history,
+      "config": config.to_json_best_effort(),
+    }
+    checkpointing.save(mngr, iteration, state, meta, wait=wait)
+
+  def on_sigterm(signum, frame):
+    raise _Preempted()
+
+  old_handler = signal.signal(signal.SIGTERM, on_sigterm) if is_main else None
+  iteration = start_iter
+  last_eval = history.get("last_eval", history.get("initial_eval", {}))
+  try:
+    for iteration in range(start_iter, config.iterations):
+      t0 = time.time()
+      key = jax.random.fold_in(base_key, iteration)
+      prompts = env.train_prompts(r.prompts_per_iter)
+      rep = [p for p in prompts for _ in range(r.group_size)]
+      p_tok, p_mask, out = evaluate.sample_prompts(
+        graphdef,
+        state.params,
+        rep,
+        sampling,
+        jax.random.fold_in(key, 0),
+        prompt_len=prompt_len,
+        pad_id=pad_id,
+      )
+      texts = evaluate.decode_responses(tok, out.tokens, out.mask, stop_ids)
+      t_rollout = time.time() - t0
+      rewards, valid, reward_metrics = env.score(texts, rep)
+      rewards_g = rewards.reshape(r.prompts_per_iter, r.group_size)
+      valid_g = valid.reshape(rewards_g.shape)
+      # Invalid scores (infrastructure errors) take their group's mean: zero advantage, masked.
+      group_mean = np.nanmean(np.where(valid_g, rewards_g, np.nan), axis=1, keepdims=True)
+      rewards_g = np.where(valid_g, rewards_g, np.nan_to_num(group_mean))
+      adv_kwargs = {}
+      if config.advantage.name in ("grpo", "batch_std"):
+        adv_kwargs = dict(eps=config.advantage.eps, ddof=config.advantage.ddof)
+      adv, adv_metrics = advantages.compute(config.advantage.name, rewards_g, **adv_kwargs)
+      seq_keep = valid_g.copy()
+      if config.advantage.filter_zero_signal:
+        seq_keep &= np.asarray(advantages.signal_mask(rewards_g))[:, None]
+      batch = train_step.build_sequences(p_tok, p_mask, out.tokens, out.mask)
+      batch.update(
+        logq=out.logprobs,
+        mask=out.mask & seq_keep.reshape(-1)[:, None],
+        adv=np.asarray(adv, np.float32).reshape(-1),
+      )
+      if spec.use_topk:
+        batch.update(topk_logq=out.topk_logprobs, topk_ids=out.topk_ids)
+      if r.recompute_logprobs:
+        batch["logq"] = np.asarray(logprob_fn(state.params, batch))
+      if ref_params is not None:
+        batch["ref_logp"] = np.asarray(logprob_fn(ref_params, batch))
+      t1 = time.time()
+      state, upd = update(state, batch, jax.random.fold_in(key, 1))
+      upd = train_step.summarize_update_metrics(jax.device_get(upd))
+      t_update = time.time() - t1
+      metrics = {
+        "reward/mean": float(np.mean(rewards)),
+        "reward/std": float(np.std(rewards)),
+        "response/length_mean": float(np.mean(out.lengths)),
+        "response/truncated_frac": float(np.mean(out.lengths >= resp_len)),
+        "time/rollout_s": t_rollout,
+        "time/update_s": t_update,
+        "time/iteration_s": time.time() - t0,
+        "optim/steps": float(state.step),
+        **{k: float(v) for k, v in adv_metrics.items()},
+        **reward_metrics,
+        **upd,
+      }
+      _nan_guard(metrics, iteration + 1)
+      done = iteration + 1
+      if done % config.eval.every == 0 or done == config.iterations:
+        last_eval = evaluate.evaluate_policy(
+          graphdef,
+          state.params,
+          env,
+          eval_key,
+          k=config.eval.k,
+          temperature=config.eval.temperature,
+          max_new_tokens=resp_len,
+        )
+        history["last_eval"] = last_eval
+        history.setdefault("evals", []).append({"iteration": done, **last_eval})
+        metrics.update(last_eval)
+        say(f"iteration {done}: " + _fmt(last_eval))
+      if done % config.log_every == 0:
+        writer.write(done, metrics)
+      writer.advance()
+      if done % config.checkpoint.every == 0 or done == config.iterations:
+        save(done)
+    iteration = config.iterations
+  except (_Preempted, KeyboardInterrupt):
+    say(f"interrupted: saving a checkpoint at iteration {iteration} before exiting")
+    save(iteration, wait=True)
+    writer.close()
+    env.close()
+    raise
+  finally:
+    if old_handler is not None:
+      signal.signal(signal.SIGTERM, old_handler)
+  mngr.wait_until_finished()
+  writer.close()
+
+  if config.model.export_hf and config.model.path is not None and is_main:
+    from gppo_jax import hf_checkpoint
+
+    out_dir = os.path.join(workdir, "hf_export")
+    hf_checkpoint.save_model(nnx.merge(graphdef, state.params), out_dir, source=config.model.path)
+    say(f"exported the trained policy to {out_dir}")
+  env.close()
+  summary = {
+    "workdir": workdir,
+    "iterations": config.iterations,
+    "seconds": time.time() - t_start,
+    "warm_start": warm_info,
+    "initial_eval": history.get("initial_eval", {}),
+    "final_eval": last_eval,
+    "metrics_file": os.path.join(workdir, "metrics.jsonl"),
+    "checkpoints": str(mngr.directory),
+  }
+  if is_main:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2, default=str)
+    _print_summary(summary, config)
+  return summary
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+  return "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in metrics.items())
+
+
+def _print_summary(s: dict[str, Any], config) -> None:
+  before = s["initial_eval"].get("eval/accuracy", float("nan"))
+  after = s["final_eval"].get("eval/accuracy", float("nan"))
+  lines = [
+    "",
+    f"GPPO {config.loss.divergence}-{config.loss.estimator} finished {s['iterations']} iterations "
+    f"in {s['seconds']:.0f} s",
+    f"  held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
+    "points)",
+  ]
+  for key in s["final_eval"]:
+    if key != "eval/accuracy" and key in s["initial_eval"]:
+      lines.append(f"  {key}: {s['initial_eval'][key]:.3f} -> {s['final_eval'][key]:.3f}")
+  lines += [
+    f"  metrics:     {s['metrics_file']} (TensorBoard: {s['workdir']}/tensorboard)",
+    f"  checkpoints: {s['checkpoints']}",
+    f"  summary:     {s['workdir']}/summary.json",
+  ]
+  print("\n".join(lines), flush=True)
+
+
+def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str, Any]:
+  """Evaluates the latest checkpoint in workdir (or the initial policy) on the config's eval set."""
+  graphdef, params, _, env, _ = build_policy(config, say=lambda t: log.info(t))
+  if which == "latest":
+    mngr = checkpointing.make_manager(os.path.join(workdir, "checkpoints"))
+    tx = train_step.make_optimizer(lr=config.optim.lr, total_steps=1)
+    state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    step, restored, _ = checkpointing.restore_latest(mngr, abstract)
+    if restored is None:
+      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
+    params = restored.params
+  elif which != "init":
+    raise ValueError(f"--checkpoint must be 'latest' or 'init', got {which!r}")
+  key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9)
+  metrics = evaluate.evaluate_policy(
+    graphdef,
+    params,
+    env,
+    key,
+    k=config.eval.k,
+    temperature=config.eval.temperature,
+    max_new_tokens=config.rollout.max_new_tokens,
+  )
+  env.close()
+  return {
+    "checkpoint": which,
+    "num_problems": len(env.eval_prompts()),
+    "decoding": {
+      "greedy": True,
+      "k": config.eval.k,
+      "temperature": config.eval.temperature,
+      "max_new_tokens": config.rollout.max_new_tokens,
+    },
+    **metrics,
+  }
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  from absl import logging as absl_logging
+  from ml_collections import config_flags
+
+  if flags.FLAGS["verbosity"].using_default_value:
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and JAX are chatty at INFO.
+  config = flags.FLAGS.config
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(path))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:arg]).")
+  flags.DEFINE_string("workdir", None, "Run folder (default ./workdirs/<config name>).")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

@@ -1,0 +1,256 @@
+"""Pure training steps: the GPPO update over one rollout batch, log-prob passes, supervised step.
+
+`make_update_fn` returns one function that runs `epochs` x `minibatches` optimizer steps (each the
+sum of `microbatches` gradient pieces, exact for every aggregation) over a rollout batch inside
+`lax.scan`, so the whole update compiles once. The rollout batch is a dict of arrays:
+
+  inputs, targets, positions, attn   [N, L]  prompt (left-padded, P) + response (right-padded, R),
+                                              shifted by one token (L = P + R - 1)
+  logq, mask                          [N, R]  behaviour log-probs and response-token mask
+  adv                                 [N]     advantages
+  ref_logp                            [N, R]  optional: frozen reference policy (KL penalty)
+  topk_logq, topk_ids                 [N, R, K] optional: behaviour top-K (topk estimator)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gppo_jax import model as model_lib
+from gppo_jax import objective
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any  # nnx.State of the policy
+  opt_state: Any
+  step: jax.Array  # int32: optimizer steps taken
+
+
+def make_optimizer(
+  *,
+  lr: float,
+  total_steps: int,
+  warmup_steps: int = 0,
+  schedule: str = "constant",
+  weight_decay: float = 0.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  grad_clip: float | None = 1.0,
+) -> optax.GradientTransformation:
+  """AdamW with linear warmup, then constant / cosine / linear decay, and global-norm clipping."""
+  if lr <= 0:
+    raise ValueError(f"optim.lr must be > 0, got {lr}")
+  decay_steps = max(1, total_steps - warmup_steps)
+  if schedule == "constant":
+    main = optax.constant_schedule(lr)
+  elif schedule == "cosine":
+    main = optax.cosine_decay_schedule(lr, decay_steps)
+  elif schedule == "linear":
+    main = optax.linear_schedule(lr, 0.0, decay_steps)
+  else:
+    raise ValueError(f"unknown optim.schedule {schedule!r}; valid: constant, cosine, linear")
+  if warmup_steps > 0:
+    sched = optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup_steps), main], [warmup_steps]
+    )
+  else:
+    sched = main
+  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
+  parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+  return optax.chain(*parts)
+
+
+def build_sequences(
+  prompt_tokens: np.ndarray,
+  prompt_mask: np.ndarray,
+  resp_tokens: np.ndarray,
+  resp_mask: np.ndarray,
+) -> dict[str, np.ndarray]:
+  """Teacher-forcing arrays for prompt + response: inputs/targets/positions/attn [N, P + R - 1]."""
+  full = np.concatenate([prompt_tokens, resp_tokens], axis=1).astype(np.int32)
+  attn = np.concatenate([prompt_mask, resp_mask], axis=1).astype(bool)
+  positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
+  return {
+    "inputs": full[:, :-1],
+    "targets": full[:, 1:],
+    "positions": positions[:, :-1],
+    "attn": attn[:, :-1],
+  }
+
+
+def _response_stats(model, batch, *, prompt_len, temperature, entropy=False, gather=False):
+  hidden, _ = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"])
+  hidden = hidden[:, prompt_len - 1 :]
+  targets = batch["targets"][:, prompt_len - 1 :]
+  kwargs = {}
+  if gather:
+    kwargs["gather_ids"] = batch["topk_ids"]
+  return model_lib.chunked_logprobs(
+    model, hidden, targets, temperature=temperature, entropy=entropy, **kwargs
+  )
+
+
+def make_logprob_fn(graphdef: nnx.GraphDef, *, prompt_len: int, temperature: float) -> Callable:
+  """jit(params, batch) -> float32 [N, R] log-probs of the response tokens under `params`."""
+
+  @jax.jit
+  def logprobs(params, batch):
+    model = nnx.merge(graphdef, params)
+    return _response_stats(model, batch, prompt_len=prompt_len, temperature=temperature)["logprobs"]
+
+  return logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+  """Static shape of one update: how the rollout batch is cut and what the loss needs."""
+
+  prompt_len: int
+  epochs: int = 1
+  minibatches: int = 1
+  microbatches: int = 1
+  temperature: float = 1.0
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0
+  use_topk: bool = False
+
+
+def make_update_fn(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  spec: UpdateSpec,
+  loss_kwargs: dict[str, Any],
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+  """Returns update(state, batch, rng) -> (state, metrics [epochs * minibatches] per key)."""
+  aggregation = loss_kwargs.get("aggregation", "token-mean")
+
+  def loss_fn(params, mb, normalizer):
+    model = nnx.merge(graphdef, params)
+    stats = _response_stats(
+      model,
+      mb,
+      prompt_len=spec.prompt_len,
+      temperature=spec.temperature,
+      entropy=spec.entropy_coef > 0,
+      gather=spec.use_topk,
+    )
+    extra: dict[str, Any] = {}
+    if spec.use_topk:
+      extra["estimator_kwargs"] = dict(
+        topk_logp=stats["gathered_logprobs"],
+        topk_logq=mb["topk_logq"],
+        topk_ids=mb["topk_ids"],
+        tokens=mb["targets"][:, spec.prompt_len - 1 :],
+      )
+    if spec.kl_coef > 0:
+      extra.update(ref_logp=mb["ref_logp"], kl_coef=spec.kl_coef)
+    if spec.entropy_coef > 0:
+      extra.update(entropy=stats["entropy"], entropy_coef=spec.entropy_coef)
+    return objective.policy_loss(
+      stats["logprobs"],
+      mb["logq"],
+      mb["adv"],
+      mb["mask"],
+      normalizer=normalizer,
+      **loss_kwargs,
+      **extra,
+    )
+
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+
+  def split(x, n):
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+  def minibatch_step(carry, mb):
+    params, opt_state = carry
+    # The normaliser of the whole mini-batch, so that micro-batch gradients simply add up.
+    _, count = objective.aggregate_terms(
+      jnp.zeros(mb["mask"].shape), mb["mask"], aggregation, loss_kwargs.get("max_len")
+    )
+    micro = jax.tree.map(lambda x: split(x, spec.microbatches), mb)
+
+    def micro_step(acc, piece):
+      grads, metrics = grad_fn(params, piece, count)
+      return jax.tree.map(jnp.add, acc, grads), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics = jax.lax.scan(micro_step, zeros, micro)
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    metrics["loss/total"] = jnp.sum(metrics["loss/sum"]) / jnp.maximum(count, 1.0)
+    metrics["optim/grad_norm"] = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), metrics
+
+  def update(state: TrainState, batch: Batch, rng: jax.Array):
+    n = batch["adv"].shape[0]
+    if n % (spec.minibatches * spec.microbatches):
+      raise ValueError(
+        f"rollout batch of {n} sequences does not split into {spec.minibatches} mini-batches x "
+        f"{spec.microbatches} micro-batches"
+      )
+
+    def epoch_step(carry, key):
+      perm = jax.random.permutation(key, n)
+      shuffled = jax.tree.map(lambda x: split(x[perm], spec.minibatches), batch)
+      return jax.lax.scan(minibatch_step, carry, shuffled)
+
+    keys = jax.random.split(rng, spec.epochs)
+    (params, opt_state), metrics = jax.lax.scan(epoch_step, (state.params, state.opt_state), keys)
+    metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
+    steps = spec.epochs * spec.minibatches
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + steps)
+    return new_state, metrics
+
+  return update
+
+
+def summarize_update_metrics(metrics: dict[str, np.ndarray]) -> dict[str, float]:
+  """Host-side summary: the mean over all optimizer steps of an update, plus the last half's
+  masked fractions (the trust region acts on the later, off-policy mini-batches)."""
+  out = {}
+  for k, v in metrics.items():
+    v = np.asarray(v)
+    out[k] = float(np.max(v)) if k.endswith("_max") or k == "ratio/max" else float(np.mean(v))
+    if k == "ratio/min":
+      out[k] = float(np.min(v))
+  for k in ("trust/masked_frac", "trust/masked_frac_high", "trust/masked_frac_low"):
+    if k in metrics:
+      v = np.asarray(metrics[k])
+      out[k + "_late"] = float(np.mean(v[len(v) // 2 :]))
+  return out
+
+
+def make_sft_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
+  """jit(params, opt_state, batch) -> (params, opt_state, loss): cross-entropy on masked targets.
+
+  batch: inputs/targets/positions/attn [N, L] and loss_mask [N, L] (True on answer tokens).
+  """
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"])
+    lp = model_lib.chunked_logprobs(model, hidden, batch["targets"])["logprobs"]
+    m = batch["loss_mask"].astype(jnp.float32)
+    return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
