@@ -564,12 +564,13 @@ def _runner_main() -> None:
   spec["workdir"] = os.getcwd()
   run = {"stdio": _run_stdio, "call": _run_calls, "check": _run_check}[spec["mode"]]
   results = run(spec, forked)
-  out.write("\n" + spec["nonce"] + " " + json.dumps({"cases": results}) + "\n")
+  out.write("\n" + spec["nonce"] + " " + json.dumps({"cases": results}, ensure_ascii=False) + "\n")
   out.flush()
 
 
 def _child_serve(chan_in, chan_out) -> None:
   """The program's side of the call protocol: load the program, then answer calls."""
+  sys.setrecursionlimit(10000)  # recursive solutions; the runner itself keeps the default
   send, recv = chan_out.write, chan_in.readline
   dumps, loads, enc, dec = json.dumps, json.loads, encode_value, decode_value
 
@@ -610,7 +611,6 @@ def _child_serve(chan_in, chan_out) -> None:
 
 # The part of this file above the next banner is copied into the sandbox as the runner.
 if __name__ == "__main__" and sys.argv[1:] == ["runner"]:
-  sys.setrecursionlimit(10000)
   _runner_main()
   sys.exit(0)
 
@@ -847,8 +847,9 @@ def _processes_of(uid: int) -> list[int]:
   return pids
 
 
-def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool]:
-  """Reads stdout (up to `cap`) and the last 8 KiB of stderr until EOF or the deadline."""
+def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str]:
+  """Reads stdout (up to `cap`) and the last 8 KiB of stderr until EOF or the deadline;
+  returns them and why reading stopped early ("", "timeout" or "cap")."""
   sel = selectors.DefaultSelector()
   for f in (proc.stdout, proc.stderr):
     os.set_blocking(f.fileno(), False)
@@ -858,7 +859,7 @@ def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[byt
     while sel.get_map():
       left = deadline - time.monotonic()
       if left <= 0:
-        return bytes(out), bytes(err), True
+        return bytes(out), bytes(err), "timeout"
       for key, _ in sel.select(min(left, 1.0)):
         data = os.read(key.fileobj.fileno(), 65536)
         if not data:
@@ -866,11 +867,11 @@ def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[byt
         elif key.fileobj is proc.stdout:
           out += data
           if len(out) > cap:
-            return bytes(out), bytes(err), True
+            return bytes(out), bytes(err), "cap"
         else:
           err += data
           del err[: max(0, len(err) - 8192)]
-    return bytes(out), bytes(err), False
+    return bytes(out), bytes(err), ""
   finally:
     sel.close()
 
@@ -999,7 +1000,8 @@ class Sandbox:
       "program": _clean(job.program),
       "fn": job.fn,
       "timeout_s": timeout_s,
-      "cpu_s": timeout_s + 1,
+      # CPU seconds of one program process; a call job's process serves every case.
+      "cpu_s": timeout_s * (len(job.cases) + 1 if job.mode == "call" else 1) + 1,
       "max_output_bytes": cfg.max_output_bytes,
       "stop_on_failure": job.stop_on_failure,
       "isolated": self.isolated,
@@ -1076,7 +1078,8 @@ class Sandbox:
           start_new_session=True, close_fds=True,
         )  # fmt: skip
       try:
-        cap = (cfg.max_output_bytes + 4096) * max(1, len(job.cases)) * 2 + (1 << 20)
+        # JSON may escape each output byte into six (control characters).
+        cap = (6 * cfg.max_output_bytes + 8192) * max(1, len(job.cases)) + (1 << 20)
         out, err, cut = _read_capped(proc, t0 + budget, cap)
       finally:
         try:
@@ -1100,8 +1103,10 @@ class Sandbox:
       if line.startswith(nonce + " "):
         payload = line[len(nonce) + 1 :]
     if payload is None:
-      if cut and _STARTED in text:
+      if cut == "timeout" and _STARTED in text:
         return RunResult(Status.TIMEOUT, [], "the run exceeded its overall time budget")
+      if cut == "cap":
+        return RunResult(Status.INFRA_ERROR, [], "the runner's report exceeded its size cap")
       if _STARTED not in text:
         return RunResult(Status.INFRA_ERROR, [], f"sandbox did not start (rc {rc}): {err_s}")
       if rc is not None and rc > 128 or rc is not None and rc < 0:

@@ -28,7 +28,7 @@ ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="the isolated sandbox needs root")
 
 SMALL = SandboxConfig(
-  timeout_s=1.0,
+  timeout_s=2.0,  # generous: CI shares two cores; tests that expect a timeout pass 0.5
   memory_bytes=256 << 20,
   max_processes=12,
   max_output_bytes=64 << 10,
@@ -196,10 +196,10 @@ def test_fork_bomb_is_contained(sb):
 
 @needs_root
 def test_memory_bomb(sb):
-  r = run1(sb, "x = bytearray(2 * 1024**3)")
+  r = run1(sb, "x = bytearray(2 * 1024**3)", timeout_s=3.0)
   assert r.status == Status.MEMORY
-  grow = "def f():\n  a = []\n  while True:\n    a.append(' ' * 10**7)\n"
-  r = sb.run(Job.call(grow, "f", [CallCase((), {}, 1)]))
+  grow = "def f():\n  a = []\n  while True:\n    a.append(bytearray(50 * 2**20))\n"
+  r = sb.run(Job.call(grow, "f", [CallCase((), {}, 1)], timeout_s=3.0))
   assert r.status == Status.MEMORY
 
 
@@ -213,6 +213,21 @@ def test_huge_output(sb):
   assert run1(sb, spam, timeout_s=0.5).status == Status.TIMEOUT
   fill = "f = open('big', 'wb')\nwhile True: f.write(b'0' * 10**6)"  # RLIMIT_FSIZE / tmpfs size
   assert run1(sb, fill).status == Status.RUNTIME_ERROR
+
+
+@needs_root
+def test_output_near_the_cap_survives_escaping(sb):
+  n = SMALL.max_output_bytes - 10
+  r = run1(sb, f"import sys\nsys.stdout.write(chr(1) * {n} + 'é')")  # JSON: 6 bytes per char
+  assert r.status == Status.OK and r.cases[0].stdout == "\x01" * n + "é"
+
+
+def test_call_jobs_get_cpu_time_for_every_case():
+  s = Sandbox.__new__(Sandbox)  # only the spec builder, no slots
+  s.config, s.isolated = SMALL, True
+  spec = s._spec(Job.call("p", "f", [CallCase()] * 7), 2.0)
+  assert spec["cpu_s"] == 2.0 * 8 + 1 and spec["nonce"] != s._spec(Job.stdio("p", []), 2.0)["nonce"]
+  assert s._spec(Job.stdio("p", [StdioCase()] * 7), 2.0)["cpu_s"] == 3.0
 
 
 @needs_root
