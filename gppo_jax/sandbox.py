@@ -1069,14 +1069,17 @@ class Sandbox:
         json.dump(spec, f)
       if not self.isolated:
         os.chmod(hostdir, 0o700)
-      with open(spec_path, "rb") as spec_f:
-        proc = subprocess.Popen(
-          self._command(hostdir, slot, int(math.ceil(budget))),
-          stdin=spec_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-          env={"PATH": _TOOL_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
-          cwd=os.path.join(hostdir, "box") if not self.isolated else hostdir,
-          start_new_session=True, close_fds=True,
-        )  # fmt: skip
+      try:
+        with open(spec_path, "rb") as spec_f:
+          proc = subprocess.Popen(
+            self._command(hostdir, slot, int(math.ceil(budget))),
+            stdin=spec_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={"PATH": _TOOL_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
+            cwd=os.path.join(hostdir, "box") if not self.isolated else hostdir,
+            start_new_session=True, close_fds=True,
+          )  # fmt: skip
+      except OSError as e:
+        return RunResult(Status.INFRA_ERROR, [], f"cannot start the sandbox: {e}")
       try:
         # JSON may escape each output byte into six (control characters).
         cap = (6 * cfg.max_output_bytes + 8192) * max(1, len(job.cases)) + (1 << 20)

@@ -134,12 +134,14 @@ def _check_humaneval(sandbox, problems):
     for p in problems
   ]
   good = [fenced(p["prompt"] + p["canonical_solution"]) for p in problems]
-  broken = [
-    fenced(p["prompt"] + _corrupt(p["canonical_solution"], "return None")) for p in problems
+  # Two corruptions, alternating (they behave alike; both must fail every problem).
+  bodies = ["return None", "pass"]
+  bad = [
+    fenced(p["prompt"] + _corrupt(p["canonical_solution"], bodies[i % 2]))
+    for i, p in enumerate(problems)
   ]
-  passed = [fenced(p["prompt"] + _corrupt(p["canonical_solution"], "pass")) for p in problems]
   scorer = cr.CodeScorer(sandbox, timeout_s=10.0)
-  res = scorer.score_batch(good + broken + passed, tests * 3)
+  res = scorer.score_batch(good + bad, tests * 2)
   n = len(problems)
   failed = [
     (p["task_id"], r.status, r.detail)

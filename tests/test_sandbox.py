@@ -8,6 +8,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -427,6 +428,13 @@ def test_fail_closed_and_explicit_unsafe_opt_out():
     assert not unsafe.isolated
     assert run1(unsafe, "print(6 * 7)", expected="42").status == Status.OK
     assert run1(unsafe, "while True: pass", timeout_s=0.5).status == Status.TIMEOUT
+
+
+@needs_root
+@pytest.mark.skipif(sbx._other_executable(sys.executable), reason="this python is world-usable")
+def test_interpreter_the_slot_uid_cannot_execute_fails_closed():
+  with pytest.raises(SandboxUnavailableError, match="probe run failed"):
+    Sandbox(SandboxConfig(python=sys.executable))  # e.g. a venv under /root (exit 126)
 
 
 def test_not_root_fails_closed(monkeypatch):
