@@ -9,16 +9,24 @@ per user. The parent only ever starts a command line (no `preexec_fn`, no Python
 child), so it is safe to call from a multithreaded (JAX) trainer. When PID 1 of the namespace exits
 or is SIGKILLed on timeout, the kernel kills everything left inside it.
 
-Inside the namespace a trusted runner (this very file, run by the sandbox interpreter) starts the
-program as a separate child process and talks to it over pipes:
-- stdio jobs: the program reads stdin and its stdout is captured up to a cap;
-- call jobs: the child calls a named function with serialised arguments and sends back a
-  serialised result, decoded into plain builtins and judged in the parent (no `__eq__` tricks);
-- check jobs (HumanEval style): trusted test code runs in the runner and calls `candidate`, a
-  proxy that forwards each call to the child, so the program never shares a process with the test.
-The runner makes itself non-dumpable (the child runs as the same uid and could otherwise read its
-memory) and reports one line tagged with a per-run random nonce that the child never sees, so a
-program cannot forge a pass.
+Inside the namespace a trusted runner (the top part of this file, copied into the private /tmp
+and run by the sandbox interpreter as the slot uid) runs the program in a separate process:
+- stdio jobs: a fresh interpreter per case runs the program as a script; its stdout is captured
+  up to a cap, its stderr tail kept for the error message;
+- call jobs: a process forked from the runner *before* the runner reads its spec (so it holds no
+  secret) imports the program once and answers calls with serialised results, decoded into plain
+  builtins and judged again in the parent (no `__eq__` tricks, no objects cross);
+- check jobs (HumanEval style): trusted setup and test code run in the runner and call
+  `candidate`, a proxy that forwards each call to that process, so the program never shares a
+  process with the test and cannot patch it, exit early on its behalf or swallow its assertions.
+The runner makes itself non-dumpable (the program runs as the same uid and could otherwise read
+its memory or its file descriptors via /proc), kills every other process of its uid after each
+case, and reports one line tagged with a per-run random nonce the program never sees. Statuses:
+see `Status`; `INFRA_ERROR` means the sandbox failed and must be neither a pass nor a fail.
+
+Interpreter: `SandboxConfig.python`, else $GPPO_SANDBOX_PYTHON, else the first of /usr/bin/python3,
+/usr/local/bin/python3 that other users can execute (a venv under /root cannot be: exit 126).
+A probe run at construction checks the whole chain.
 
 Without root (or without util-linux) construction fails closed with `SandboxUnavailableError`
 unless `allow_unsafe=True`, which runs with resource limits and a process group only, and warns.
