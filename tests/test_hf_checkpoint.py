@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gppo_jax import hf_checkpoint, model
+from gppo_jax import hf_checkpoint, model, tokenizer
 
 torch.manual_seed(0)
 
@@ -78,9 +79,14 @@ def _hf_logits(m, tokens, mask, positions):
   return out.logits.float().numpy()
 
 
+@nnx.jit
+def _forward(policy, tokens, mask, positions):
+  hidden, _ = policy(tokens, positions, attn_mask=mask)
+  return policy.logits(hidden)
+
+
 def _our_logits(policy, tokens, mask, positions):
-  hidden, _ = policy(jnp.asarray(tokens), jnp.asarray(positions), attn_mask=jnp.asarray(mask))
-  return np.asarray(policy.logits(hidden))
+  return np.asarray(_forward(policy, tokens, mask, positions))
 
 
 def _assert_close_on(mask, got, want, atol=1e-4):
@@ -128,26 +134,34 @@ def test_kv_cache_prefill_and_steps_match_full_forward(saved):
   want = _hf_logits(hf, tokens, mask, positions)
   P, T = 12, tokens.shape[1]
   cache = model.init_cache(policy.cfg, 2, T + 3)
-  step = jax.jit(lambda tok, pos, c, i: policy(tok, pos, cache=c, cache_index=i))
-  hidden, cache = policy(
-    jnp.asarray(tokens[:, :P]),
-    jnp.asarray(positions[:, :P]),
-    attn_mask=jnp.asarray(mask[:, :P]),
-    cache=cache,
-    cache_index=0,
-  )
-  hiddens = [hidden]
-  for i in range(P, T):
-    h, cache = step(tokens[:, i : i + 1], positions[:, i : i + 1], cache, jnp.int32(i))
-    hiddens.append(h)
-  got = np.asarray(policy.logits(jnp.concatenate(hiddens, axis=1)))
+  graphdef, state = nnx.split(policy)
+
+  @jax.jit
+  def run(state, tokens, mask, positions, cache):
+    m = nnx.merge(graphdef, state)
+    prefill = (tokens[:, :P], positions[:, :P])
+    hidden, cache = m(*prefill, attn_mask=mask[:, :P], cache=cache, cache_index=0)
+
+    def step(cache, i):
+      tok = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
+      pos = jax.lax.dynamic_slice_in_dim(positions, i, 1, axis=1)
+      h, cache = m(tok, pos, cache=cache, cache_index=i)
+      return cache, h[:, 0]
+
+    cache, hs = jax.lax.scan(step, cache, jnp.arange(P, T))
+    return m.logits(jnp.concatenate([hidden, hs.swapaxes(0, 1)], axis=1)), cache
+
+  got, cache = run(state, tokens, mask, positions, cache)
+  got = np.asarray(got)
   _assert_close_on(mask, got, want)
   np.testing.assert_array_equal(np.asarray(cache.mask[:, :T]), mask)
   assert not np.asarray(cache.mask[:, T:]).any()
 
 
-def test_bfloat16_loads_and_runs(saved):
-  kind, hf, path = saved
+@pytest.mark.parametrize("kind", ["llama3-rope-scaling", "qwen3-qknorm"])
+def test_bfloat16_loads_and_runs(kind, tmp_path):
+  hf, path = _hf_model(kind), tmp_path / kind
+  hf.save_pretrained(path)
   policy = hf_checkpoint.load_model(path, dtype="bfloat16", param_dtype="bfloat16")
   assert policy.layers.wq[...].dtype == jnp.bfloat16
   tokens, mask, positions = _batch()
@@ -228,3 +242,88 @@ def test_config_from_hf_reads_both_rope_layouts():
   a, b = model.config_from_hf(new), model.config_from_hf(old)
   assert a == b and a.rope_theta == 500000.0 and a.rope_params["factor"] == 8.0
   assert a.family == "llama" and not a.attention_bias and a.eos_token_ids == (2,)
+
+
+# -- tokenizer ----------------------------------------------------------------------------------
+
+CHATML = (
+  "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+  """A byte-level BPE tokenizer trained here on a few lines, saved as HF tokenizer files."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  corpus = ["What is 12 + 30? The answer is 42.", "def f(x):\n    return x * 2", "hello world"]
+  tok.train_from_iterator(corpus * 20, trainer)
+  path = tmp_path_factory.mktemp("tok")
+  tok.save(str(path / "tokenizer.json"))
+  config = {
+    "chat_template": CHATML,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "bos_token": None,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+  }
+  (path / "tokenizer_config.json").write_text(json.dumps(config))
+  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+  return path
+
+
+MESSAGES = [
+  {"role": "system", "content": "Be brief."},
+  {"role": "user", "content": "What is 12 + 30? ünïcødé ✓"},
+]
+
+
+def test_tokenizer_round_trip_and_special_ids(tokenizer_dir):
+  tok = tokenizer.load_tokenizer(tokenizer_dir)
+  text = "def f(x):\n    return 12 + 30  # ünïcødé ✓"
+  ids = tok.encode(text)
+  assert all(0 <= i < tok.vocab_size for i in ids)
+  assert tok.decode(ids) == text
+  assert tok.eos_id == tok.token_to_id("<|im_end|>") == 2
+  assert tok.pad_id == tok.token_to_id("<|endoftext|>") == 0
+  assert tok.eos_ids == (2, 0)
+  assert tok.encode("<|im_start|>user")[0] == tok.token_to_id("<|im_start|>")
+
+
+def test_chat_template_matches_transformers(tokenizer_dir):
+  tok = tokenizer.load_tokenizer(tokenizer_dir)
+  prompt = tok.apply_chat_template(MESSAGES)
+  assert prompt.endswith("<|im_start|>assistant\n") and "Be brief." in prompt
+  hf = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+  want = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+  assert prompt == want
+  assert tok.encode(prompt) == hf.encode(want, add_special_tokens=False)
+  assert tok.decode(tok.encode(prompt), skip_special=False) == prompt
+  assert not tok.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_missing_tokenizer_file_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    tokenizer.load_tokenizer(tmp_path)
+
+
+def test_export_copies_tokenizer_and_load_pretrained(tokenizer_dir, tmp_path):
+  src = tmp_path / "src"
+  _hf_model("llama-tied").save_pretrained(src)
+  for f in tokenizer_dir.iterdir():
+    (src / f.name).write_bytes(f.read_bytes())
+  policy, tok = hf_checkpoint.load_pretrained(src)
+  out = hf_checkpoint.save_model(policy, tmp_path / "out", source=src)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    assert (out / name).read_bytes() == (src / name).read_bytes()
+  assert tokenizer.load_tokenizer(out).apply_chat_template(MESSAGES) == tok.apply_chat_template(
+    MESSAGES
+  )
