@@ -1,8 +1,8 @@
 """Run untrusted (model-generated) programs in a sandbox and report what they did.
 
 Isolation (as root, the default): every run gets fresh Linux namespaces from `unshare` (network with
-no interfaces up, PID with its own /proc, mount, IPC, UTS), a private size-limited tmpfs on /tmp
-(plus empty ones over the other world-writable directories), a scrubbed environment, resource
+no interfaces up, PID with its own /proc, mount, IPC, UTS), a chroot into a minimal read-only root
+with a private size-limited tmpfs on /tmp, a scrubbed environment, resource
 limits from `prlimit` (CPU, address space, processes, file size, open files, no core dumps) and a
 dropped, unprivileged uid from `setpriv`, distinct per concurrent slot because RLIMIT_NPROC counts
 per user. The parent only ever starts a command line (no `preexec_fn`, no Python in a forked
@@ -24,9 +24,14 @@ its memory or its file descriptors via /proc), kills every other process of its 
 case, and reports one line tagged with a per-run random nonce the program never sees. Statuses:
 see `Status`; `INFRA_ERROR` means the sandbox failed and must be neither a pass nor a fail.
 
-Interpreter: `SandboxConfig.python`, else $GPPO_SANDBOX_PYTHON, else the first of /usr/bin/python3,
-/usr/local/bin/python3 that other users can execute (a venv under /root cannot be: exit 126).
-A probe run at construction checks the whole chain.
+Filesystem: the program sees a minimal read-only root (/usr, /etc, the /bin and /lib links, the
+interpreter's prefix, a few devices, /proc) and a private writable /tmp; /work, /home, /root and
+any dataset with expected outputs are not there, so it cannot read its own tests.
+
+Interpreter: `SandboxConfig.python`, else $GPPO_SANDBOX_PYTHON, else /usr/bin/python3 or
+/usr/local/bin/python3, else the one running this; an interpreter outside /usr gets its install
+prefix bound read-only (under /root it would otherwise not be executable by the slot uid: exit
+126). A probe run at construction checks the whole chain.
 
 Without root (or without util-linux) construction fails closed with `SandboxUnavailableError`
 unless `allow_unsafe=True`, which runs with resource limits and a process group only, and warns.
@@ -569,7 +574,7 @@ def _runner_main() -> None:
   devnull = os.open(os.devnull, os.O_RDWR)
   os.dup2(devnull, 0)
   os.dup2(2, 1)  # trusted test code that prints must not reach the result channel
-  spec["workdir"] = os.getcwd()
+  os.chdir(spec["workdir"])  # the private /tmp
   run = {"stdio": _run_stdio, "call": _run_calls, "check": _run_check}[spec["mode"]]
   results = run(spec, forked)
   out.write("\n" + spec["nonce"] + " " + json.dumps({"cases": results}, ensure_ascii=False) + "\n")
@@ -747,49 +752,84 @@ class RunResult:
 _TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 
-# Runs as root, PID 1 of fresh namespaces; then starts the runner as the slot uid (not via exec:
-# the runner must not be PID 1, which ignores default-action signals, and when this shell exits the
-# kernel kills whatever the program left behind).
+# Runs as root, PID 1 of fresh namespaces, on the skeleton root `_make_root` built: binds the
+# directories named in its arguments (/usr, /etc, the interpreter's prefix...) read-only and a few
+# device nodes, mounts a private size-limited /tmp, /dev/shm and /proc, makes the root read-only,
+# and starts the runner in it as the slot uid. Not via exec: the runner must not be PID 1, which
+# ignores default-action signals, and when this shell exits the kernel kills whatever is left.
 _SETUP_SCRIPT = r"""
 H="$1"; U="$2"; PY="$3"; CPU="$4"; AS="$5"; NPROC="$6"; FSIZE="$7"; NOFILE="$8"; TMPFS="$9"
+shift 9
 fail() { echo "gppo-sandbox-setup: $1" >&2; exit 97; }
-mount -t tmpfs -o "size=$TMPFS,mode=1777,nosuid,nodev" gppo-box "$H/box" || fail "mount tmpfs"
-cp "$H/runner.py" "$H/box/gppo_runner.py" && chmod 0644 "$H/box/gppo_runner.py" || fail "copy"
-mount --move "$H/box" /tmp || fail "mount --move to /tmp"
-for d in /var/tmp /run/lock /dev/shm /dev/mqueue; do
-  if [ -d "$d" ]; then
-    mount -t tmpfs -o size=1048576,mode=1777,nosuid,nodev,noexec gppo-empty "$d" || fail "$d"
-  fi
+R="$H/root"
+mount --bind "$R" "$R" || fail "bind the new root"
+for d in "$@"; do
+  mount --bind "$d" "$R$d" && mount -o remount,bind,ro,nosuid,nodev "$R$d" || fail "bind $d"
 done
-cd /tmp || fail "cd /tmp"
-setpriv --reuid="$U" --regid="$U" --clear-groups --no-new-privs --inh-caps=-all \
-  --bounding-set=-all -- prlimit --cpu="$CPU" --as="$AS" --nproc="$NPROC" --fsize="$FSIZE" \
-  --nofile="$NOFILE" --core=0 -- "$PY" -I -B /tmp/gppo_runner.py runner
+for n in null zero full random urandom; do
+  mount --bind "/dev/$n" "$R/dev/$n" || fail "bind /dev/$n"
+done
+mount -t tmpfs -o "size=$TMPFS,mode=1777,nosuid,nodev" gppo-tmp "$R/tmp" || fail "mount /tmp"
+mount -t tmpfs -o size=1048576,mode=1777,nosuid,nodev gppo-shm "$R/dev/shm" || fail "/dev/shm"
+mount -t proc -o nosuid,nodev,noexec proc "$R/proc" || fail "mount /proc"
+mount -o remount,bind,ro,nosuid,nodev "$R" || fail "remount the new root read-only"
+chroot "$R" /usr/bin/setpriv --reuid="$U" --regid="$U" --clear-groups --no-new-privs \
+  --inh-caps=-all --bounding-set=-all -- /usr/bin/prlimit --cpu="$CPU" --as="$AS" \
+  --nproc="$NPROC" --fsize="$FSIZE" --nofile="$NOFILE" --core=0 -- \
+  "$PY" -I -B /gppo_runner.py runner
 """
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def _make_root(root: str, runner_src: str, python: str) -> list[str]:
+  """Builds the skeleton of the sandbox's root filesystem in `root` (plain directories, links
+  and files made here, so the namespace set-up needs few commands); returns the host
+  directories to bind into it read-only."""
+  binds = ["/usr", "/etc"]
+  for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+    host = "/" + d
+    if os.path.islink(host):
+      os.symlink(os.readlink(host), os.path.join(root, d))
+    elif os.path.isdir(host):
+      binds.append(host)
+  binds += [d for d in _interpreter_dirs(python) if d not in binds]
+  for d in ("tmp", "proc", "dev/shm", *(b.lstrip("/") for b in binds)):
+    os.makedirs(os.path.join(root, d), mode=0o755, exist_ok=True)
+  for n in _DEVICES:
+    open(os.path.join(root, "dev", n), "w").close()
+  for name, target in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
+    os.symlink("/proc/self/fd" + target, os.path.join(root, "dev", name))
+  with open(os.path.join(root, "gppo_runner.py"), "w", encoding="utf-8") as f:
+    f.write(runner_src)
+  os.chmod(root, 0o755)
+  return binds
 
 
 def _other_executable(path: str) -> bool:
-  """Whether a user other than the owner may execute `path` (every directory above included)."""
+  """Whether other users may execute `path` once its prefix is bound into the sandbox (the file
+  and its directory need the x bit for others; the parents outside the prefix do not matter)."""
   import stat
 
-  path = os.path.realpath(path)
+  real = os.path.realpath(path)
   try:
-    if not os.stat(path).st_mode & stat.S_IXOTH:
-      return False
-    d = os.path.dirname(path)
-    while True:
-      if not os.stat(d).st_mode & stat.S_IXOTH:
-        return False
-      if d == "/":
-        return True
-      d = os.path.dirname(d)
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in (real, os.path.dirname(real)))
   except OSError:
     return False
 
 
+def _interpreter_dirs(python: str) -> list[str]:
+  """Directories to bind into the sandbox's root for `python` (its prefix, outside /usr)."""
+  real = os.path.realpath(python)
+  prefix = os.path.dirname(os.path.dirname(real))
+  if real.startswith("/usr/") or prefix in ("", "/"):
+    return []
+  return [prefix]
+
+
 def find_sandbox_python(configured: str | None = None) -> str | None:
-  """The interpreter for sandboxed code: configured, $GPPO_SANDBOX_PYTHON, or a system python3
-  that other users may execute (a venv under /root is not)."""
+  """The interpreter for sandboxed code: configured, $GPPO_SANDBOX_PYTHON, a system python3, or
+  the one running this (its install prefix is bound read-only into the sandbox; -I keeps any
+  venv's packages out)."""
   if configured:
     return configured
   env = os.environ.get("GPPO_SANDBOX_PYTHON")
@@ -902,7 +942,10 @@ class Sandbox:
     self._leases: list[_UidLease] = []
     self._slots: queue.Queue = queue.Queue()
     self.python = find_sandbox_python(cfg.python)
-    self.tools = {t: _which(t) for t in ("unshare", "setpriv", "prlimit", "mount")}
+    self.tools = {t: _which(t) for t in ("unshare", "setpriv", "prlimit", "mount", "chroot")}
+    for t in ("setpriv", "prlimit"):  # run from inside the new root
+      if self.tools[t] and not os.path.realpath(self.tools[t]).startswith("/usr/bin/"):
+        self.tools[t] = None
     problem = self._isolation_problem()
     self.isolated = problem is None
     if self.isolated:
@@ -940,7 +983,7 @@ class Sandbox:
     if missing:
       return f"missing tools {missing} (Debian package util-linux / mount)"
     if self.python is None:
-      return f"no python3 executable by other users among {_PYTHON_CANDIDATES}"
+      return f"no python3 other users can execute among {(*_PYTHON_CANDIDATES, sys.executable)}"
     if not os.path.exists("/bin/sh"):
       return "no /bin/sh"
     return None
@@ -1031,7 +1074,7 @@ class Sandbox:
       raise ValueError(f"unknown job mode {job.mode!r}; valid: stdio, call, check")
     return spec
 
-  def _command(self, hostdir: str, slot: int, cpu_s: int) -> list[str]:
+  def _command(self, hostdir: str, slot: int, cpu_s: int, binds: list[str]) -> list[str]:
     cfg = self.config
     limits = [str(cpu_s), str(cfg.memory_bytes)]
     if not self.isolated:
@@ -1052,8 +1095,9 @@ class Sandbox:
     return [
       self.tools["unshare"], "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
       "--uts", "--mount-proc", "--propagation", "private", "--", "/bin/sh", "-c", _SETUP_SCRIPT,
-      "gppo-sandbox", hostdir, str(slot), self.python, *limits, str(cfg.max_processes),
-      str(cfg.max_file_bytes), str(cfg.max_open_files), str(cfg.tmpfs_bytes),
+      "gppo-sandbox", hostdir, str(slot), os.path.realpath(self.python), *limits,
+      str(cfg.max_processes), str(cfg.max_file_bytes), str(cfg.max_open_files),
+      str(cfg.tmpfs_bytes), *binds,
     ]  # fmt: skip
 
   def _run_in_slot(self, job: Job, slot: int) -> RunResult:
@@ -1068,10 +1112,15 @@ class Sandbox:
     spec = self._spec(job, timeout_s)
     hostdir = tempfile.mkdtemp(prefix="gppo_sbx_", dir=self._tmp)
     try:
-      os.mkdir(os.path.join(hostdir, "box"))
-      runner = "runner.py" if self.isolated else os.path.join("box", "gppo_runner.py")
-      with open(os.path.join(hostdir, runner), "w", encoding="utf-8") as f:
-        f.write(self._runner_src)
+      if self.isolated:
+        os.mkdir(os.path.join(hostdir, "root"))
+        binds = _make_root(os.path.join(hostdir, "root"), self._runner_src, self.python)
+      else:
+        binds = []
+        os.mkdir(os.path.join(hostdir, "box"))
+        with open(os.path.join(hostdir, "box", "gppo_runner.py"), "w", encoding="utf-8") as f:
+          f.write(self._runner_src)
+      spec["workdir"] = "/tmp" if self.isolated else os.path.join(hostdir, "box")
       spec_path = os.path.join(hostdir, "spec.json")
       with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
@@ -1080,7 +1129,7 @@ class Sandbox:
       try:
         with open(spec_path, "rb") as spec_f:
           proc = subprocess.Popen(
-            self._command(hostdir, slot, int(math.ceil(budget))),
+            self._command(hostdir, slot, int(math.ceil(budget)), binds),
             stdin=spec_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={"PATH": _TOOL_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
             cwd=os.path.join(hostdir, "box") if not self.isolated else hostdir,

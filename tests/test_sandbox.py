@@ -421,8 +421,6 @@ def test_fail_closed_and_explicit_unsafe_opt_out():
   no_uid = SandboxConfig(uid_base=0, uid_count=1, timeout_s=2.0)  # uid 0 exists: never leased
   with pytest.raises(SandboxUnavailableError, match="allow_unsafe"):
     Sandbox(no_uid)
-  with pytest.raises(SandboxUnavailableError, match="probe"):
-    Sandbox(SandboxConfig(python="/nonexistent/python3"))
   unsafe_cfg = SandboxConfig(uid_base=0, uid_count=1, timeout_s=2.0, allow_unsafe=True)
   with pytest.warns(RuntimeWarning, match="UNSAFE"), Sandbox(unsafe_cfg) as unsafe:
     assert not unsafe.isolated
@@ -431,10 +429,45 @@ def test_fail_closed_and_explicit_unsafe_opt_out():
 
 
 @needs_root
-@pytest.mark.skipif(sbx._other_executable(sys.executable), reason="this python is world-usable")
-def test_interpreter_the_slot_uid_cannot_execute_fails_closed():
+def test_host_files_are_not_visible(sb, tmp_path):
+  """Only a minimal read-only root: no /work, /home, /root, no dataset with expected outputs."""
+  dataset = tmp_path / "train.jsonl"
+  dataset.write_text('{"tests": {"outputs": ["the answer"]}}')
+  os.chmod(tmp_path, 0o755)
+  prog = (
+    "import os\n"
+    "print(sorted(os.listdir('/')))\n"
+    f"for p in [{__file__!r}, {str(dataset)!r}, '/root', '/work', '/home', '/etc/shadow']:\n"
+    "  try:\n"
+    "    print(p, os.listdir(p) if os.path.isdir(p) else open(p).read()[:20])\n"
+    "  except OSError as e:\n"
+    "    print(p, type(e).__name__)\n"
+    "for p in ['/x', '/usr/x', '/etc/x']:\n"
+    "  try:\n"
+    "    open(p, 'w')\n"
+    "    print(p, 'written')\n"
+    "  except OSError as e:\n"
+    "    print(p, e.errno)\n"
+  )
+  out = run1(sb, prog).cases[0].stdout.splitlines()
+  top = set(eval(out[0]))
+  allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "etc", "proc", "tmp", "usr"}
+  assert top <= allowed | {"gppo_runner.py"}
+  assert {"dev", "proc", "tmp", "usr"} <= top
+  assert out[1] == f"{__file__} FileNotFoundError" and out[2] == f"{dataset} FileNotFoundError"
+  assert [ln.split()[1] for ln in out[3:6]] == ["FileNotFoundError"] * 3
+  assert out[6] == "/etc/shadow PermissionError"
+  assert all(ln.split()[1] in ("30", "13") for ln in out[7:]), out[7:]  # EROFS / EACCES
+
+
+@needs_root
+def test_interpreter_outside_usr_gets_its_prefix_bound():
+  """The trainer's own interpreter (a venv under /root here) works: its prefix is bound."""
+  with Sandbox(SandboxConfig(python=sys.executable, num_slots=1, timeout_s=5.0)) as s:
+    r = run1(s, "import sys\nprint(sys.version_info[:2], 'jax' in sys.modules)")
+  assert r.status == Status.OK and r.cases[0].stdout == f"{tuple(sys.version_info[:2])} False\n"
   with pytest.raises(SandboxUnavailableError, match="probe run failed"):
-    Sandbox(SandboxConfig(python=sys.executable))  # e.g. a venv under /root (exit 126)
+    Sandbox(SandboxConfig(python="/nonexistent/python3"))
 
 
 def test_not_root_fails_closed(monkeypatch):
