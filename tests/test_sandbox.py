@@ -4,6 +4,7 @@ Needs root (namespaces, distinct uids), util-linux and a python3 other users can
 the CI machine. Every test checks afterwards that no process of the sandbox uids is left.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -182,6 +183,21 @@ def test_infinite_loop_times_out_in_every_mode(sb):
   sleeper = "import time\ntime.sleep(100)"  # no CPU used: only the wall clock catches it
   assert run1(sb, sleeper, timeout_s=0.5).status == Status.TIMEOUT
   assert time.monotonic() - t < 30
+
+
+@needs_root
+def test_host_deadline_kills_the_whole_namespace():
+  """A program that freezes its runner is stopped by the parent's own deadline (SIGKILL of the
+  namespace's PID 1), leaving nothing behind."""
+  cfg = dataclasses.replace(SMALL, num_slots=1, startup_s=1.0, timeout_s=0.5)
+  with Sandbox(cfg) as s:
+    freeze = "import os, signal, time\nos.kill(os.getppid(), signal.SIGSTOP)\ntime.sleep(60)"
+    r = run1(s, freeze)
+    assert r.status == Status.TIMEOUT and "overall time budget" in r.detail
+    deadline = time.monotonic() + 3.0
+    while sbx._processes_of(s.uids[0]) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not sbx._processes_of(s.uids[0])
 
 
 @needs_root
@@ -473,6 +489,14 @@ def test_interpreter_outside_usr_gets_its_prefix_bound():
 def test_not_root_fails_closed(monkeypatch):
   monkeypatch.setattr(os, "geteuid", lambda: 1000)
   with pytest.raises(SandboxUnavailableError, match="not running as root"):
+    Sandbox(SandboxConfig())
+
+
+@needs_root
+def test_missing_tools_fail_closed(monkeypatch):
+  real = sbx._which
+  monkeypatch.setattr(sbx, "_which", lambda t: None if t == "unshare" else real(t))
+  with pytest.raises(SandboxUnavailableError, match="missing tools.*unshare"):
     Sandbox(SandboxConfig())
 
 
