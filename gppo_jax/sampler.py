@@ -32,8 +32,12 @@ LOGPROBS_MODES = ("tempered", "truncated")
 class SamplingParams:
   """Static sampling settings (hashable, so one compiled sampler per distinct setting).
 
+  temperature / top_k / top_p: logits / T, then top-k, then top-p on the top-k renormalised (the
+  Hugging Face order); tokens tied with the last kept logit are kept too. top_p < 1 without top_k
+  sorts the whole vocabulary every step. greedy=True ignores all three (argmax of the logits).
   stop_ids: token ids that end a row (the stop token itself is kept and masked True).
-  num_topk: if > 0, also return the top-`num_topk` log-probs and ids at every generated position.
+  num_topk: if > 0, also return the top-`num_topk` log-probs and ids at every generated position,
+  under the same distribution as the behaviour log-probs (see the module docstring).
   """
 
   max_new_tokens: int
@@ -196,6 +200,8 @@ def sample(
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
+  if sampling.num_topk > cfg.vocab_size:
+    raise ValueError(f"num_topk={sampling.num_topk} exceeds the vocabulary ({cfg.vocab_size})")
   batch, prompt_len = prompt_tokens.shape
   n = sampling.max_new_tokens
   prompt_tokens = prompt_tokens.astype(jnp.int32)

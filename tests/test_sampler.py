@@ -59,7 +59,7 @@ def _full_logits(model, tokens, mask):
   return model.logits(hidden)
 
 
-@nnx.jit(static_argnames="temperature")
+@nnx.jit
 def _trainer_logprobs(model, tokens, mask, temperature):
   """The trainer's log-probs of tokens[:, 1:] given the prefix, as model.token_logprobs computes."""
   positions = model_lib.positions_from_mask(mask)
@@ -86,6 +86,16 @@ def test_params_validation():
   with pytest.raises(ValueError, match="logprobs_mode"):
     sampler.SamplingParams(max_new_tokens=4, logprobs_mode="bogus")
   sampler.SamplingParams(max_new_tokens=4, temperature=0.0, greedy=True)  # greedy ignores T
+
+
+def test_generate_input_errors(model, prompts):
+  tokens, mask = prompts
+  with pytest.raises(ValueError, match="left-padded"):
+    sampler.generate(model, tokens[:, ::-1], mask[:, ::-1], jax.random.key(0), max_new_tokens=N)
+  with pytest.raises(ValueError, match="must both be"):
+    sampler.generate(model, tokens[0], mask[0], jax.random.key(0), max_new_tokens=N)
+  with pytest.raises(ValueError, match="exceeds the vocabulary"):
+    sampler.generate(model, tokens, mask, jax.random.key(0), max_new_tokens=N, num_topk=10_000)
 
 
 def test_logprobs_match_trainer(model, prompts, outputs):
@@ -184,22 +194,32 @@ def test_shapes_mask_and_lengths(outputs):
 
 def test_truncated_logprobs(model, prompts, outputs):
   """top-k + top-p: tokens come from the truncated set and the option returns its log-probs."""
-  kw = dict(temperature=TEMPERATURE, top_k=5, top_p=0.9, num_topk=5)
-  tempered = outputs("trunc_tempered", **kw)
-  trunc = outputs("trunc_truncated", logprobs_mode="truncated", **kw)
-  np.testing.assert_array_equal(tempered.tokens, trunc.tokens)  # same rng, same draws
-  assert (trunc.logprobs >= tempered.logprobs - 1e-6).all()  # renormalised over fewer tokens
-  assert (trunc.logprobs > tempered.logprobs + 1e-4).any()
+  out = outputs(
+    "truncated", temperature=TEMPERATURE, top_k=5, top_p=0.5, num_topk=5, logprobs_mode="truncated"
+  )
+  ptoks, pmask = prompts
+  tokens = jnp.concatenate([ptoks, out.tokens], axis=1)
+  mask = jnp.concatenate([pmask, out.mask], axis=1)
+  tempered = np.asarray(_trainer_logprobs(model, tokens, mask, TEMPERATURE))[
+    :, ptoks.shape[1] - 1 :
+  ]
+  assert (out.logprobs >= tempered - 1e-5).all()  # renormalised over fewer tokens
+  assert (out.logprobs > tempered + 1e-3).all()  # and the cut-off mass is visible
   # The sampled token is one of the kept (finite) truncated top-K entries, which sum to 1.
-  finite = np.isfinite(trunc.topk_logprobs)
-  assert ((trunc.topk_ids == trunc.tokens[..., None]) & finite).any(-1).all()
-  np.testing.assert_allclose(np.where(finite, np.exp(trunc.topk_logprobs), 0).sum(-1), 1, atol=1e-5)
-  # Tempered top-K: first 5 of softmax(logits / T) at the first step.
+  finite = np.isfinite(out.topk_logprobs)
+  assert ((out.topk_ids == out.tokens[..., None]) & finite).any(-1).all()
+  np.testing.assert_allclose(np.where(finite, np.exp(out.topk_logprobs), 0).sum(-1), 1, atol=1e-5)
+  assert (finite.sum(-1) < 5).any()  # top-p cut some of the top-5
+
+
+def test_tempered_topk_is_softmax_topk(model, prompts, outputs):
+  """Default top-K: the K largest entries of log softmax(logits / T) (checked at the first step)."""
   ptoks, pmask = prompts
   logits = _full_logits(model, jnp.asarray(ptoks), jnp.asarray(pmask))
   first = np.asarray(jax.nn.log_softmax(logits[:, -1] / TEMPERATURE))
-  top5 = -np.sort(-first, axis=-1)[:, :5]
-  np.testing.assert_allclose(tempered.topk_logprobs[:, 0], top5, atol=2e-5)
+  out = _tempered(outputs)
+  np.testing.assert_allclose(out.topk_logprobs[:, 0], -np.sort(-first, axis=-1)[:, :4], atol=2e-5)
+  np.testing.assert_array_equal(out.topk_ids[:, 0], np.argsort(-first, axis=-1)[:, :4])
 
 
 def test_functional_form_inside_user_jit(model, prompts, outputs):
