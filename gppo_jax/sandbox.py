@@ -67,7 +67,6 @@ class Status(str, enum.Enum):
 
 
 _STARTED = "gppo-sandbox-runner-started"
-_SETUP_FAILED_RC = 97
 _MAX_DEPTH = 100
 
 
