@@ -141,6 +141,37 @@ def _truncation_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Ar
   return jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
 
 
+def _last_positive(x: jax.Array) -> jax.Array:
+  """Index of the last entry > 0 along the last axis (0 if none)."""
+  n = x.shape[-1]
+  return n - 1 - jnp.argmax(jnp.flip(x > 0, axis=-1), axis=-1)
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+  """One draw per row from softmax(logits) [B, V] (-inf = excluded) by a two-level inverse CDF.
+
+  Same law as `jax.random.categorical`, but one uniform per row instead of V Gumbel variates: on
+  CPU that is ~20x cheaper than threefry-generated noise for a 32k vocabulary, a sizeable part of
+  a small model's decode step. The vocabulary is cut into ~sqrt(V) blocks: pick a block by its
+  mass, then a token inside it, each by a short cumulative sum.
+  """
+  batch, vocab = logits.shape
+  block = 1 << max(0, (int(np.ceil(np.sqrt(vocab))) - 1).bit_length())
+  n = -(-vocab // block)
+  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  p = jnp.pad(p, ((0, 0), (0, n * block - vocab))).reshape(batch, n, block)
+  mass = p.sum(-1)  # [B, n]
+  cum = jnp.cumsum(mass, axis=-1)
+  u = jax.random.uniform(key, (batch, 1), jnp.float32) * cum[:, -1:]
+  # Rounding can push u to the end of the range: clamp to the last block / token with mass.
+  j = jnp.minimum(jnp.sum(cum <= u, axis=-1), _last_positive(mass))
+  before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0)
+  rest = u[:, 0] - before  # >= 0: mass still to walk inside block j
+  row = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [B, block]
+  i = jnp.minimum(jnp.sum(jnp.cumsum(row, axis=-1) <= rest[:, None], axis=-1), _last_positive(row))
+  return (j * block + i).astype(jnp.int32)
+
+
 def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None)."""
   if p.greedy:
@@ -150,7 +181,7 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
     scaled = logits / p.temperature
     threshold = _truncation_threshold(scaled, p.top_k, p.top_p)
     truncated = scaled if threshold is None else jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    token = jax.random.categorical(key, truncated, axis=-1).astype(jnp.int32)
+    token = categorical(key, truncated)
     dist = jax.nn.log_softmax(truncated if p.logprobs_mode == "truncated" else scaled, axis=-1)
   logprob = jnp.take_along_axis(dist, token[:, None], axis=-1)[:, 0]
   topk = jax.lax.top_k(dist, p.num_topk) if p.num_topk > 0 else None

@@ -98,6 +98,20 @@ def test_generate_input_errors(model, prompts):
     sampler.generate(model, tokens, mask, jax.random.key(0), max_new_tokens=N, num_topk=10_000)
 
 
+def test_categorical_law():
+  """The two-level inverse-CDF draw follows softmax(logits) and never picks -inf entries."""
+  n, vocab = 40_000, 50  # 50 is not a multiple of the block size: exercises the padding
+  logits = jax.random.normal(jax.random.key(0), (vocab,)) * 2.0
+  logits = logits.at[jnp.array([0, 7, 8, 49])].set(-jnp.inf)
+  draws = np.asarray(jax.jit(sampler.categorical)(jax.random.key(1), jnp.tile(logits, (n, 1))))
+  freq = np.bincount(draws, minlength=vocab) / n
+  p = np.asarray(jax.nn.softmax(logits))
+  assert freq[[0, 7, 8, 49]].sum() == 0
+  assert (np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-4).all(), np.abs(freq - p).max()
+  one_hot = jnp.full((2, vocab), -jnp.inf).at[0, 49].set(0.0).at[1, 0].set(3.0)
+  np.testing.assert_array_equal(sampler.categorical(jax.random.key(2), one_hot), [49, 0])
+
+
 def test_logprobs_match_trainer(model, prompts, outputs):
   """Behaviour log-probs == model.token_logprobs on prompt + response at the same temperature."""
   out = _tempered(outputs)
