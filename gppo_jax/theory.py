@@ -19,6 +19,7 @@ work by name. `python -m gppo_jax.theory` prints the constants and writes plots.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -65,23 +66,27 @@ def _times(x: np.ndarray, s: float) -> np.ndarray:
 
 
 _JITTED: dict[tuple, object] = {}
+_CHUNK = 16384
 
 
 def _padded_call(key: tuple, fn, *arrays: np.ndarray) -> np.ndarray:
-  """fn(*arrays) elementwise in float64, jitted once per key and power-of-two padded size (so that
-  the many differently shaped calls of the searches below reuse a handful of compilations)."""
+  """fn(*arrays) elementwise in float64, jitted once per key on chunks of _CHUNK elements (so that
+  the many differently shaped calls of the searches below share one compilation)."""
   shape = np.broadcast_shapes(*(a.shape for a in arrays))
   flat = [np.broadcast_to(a, shape).ravel() for a in arrays]
-  n = max(1, flat[0].size)
-  size = max(256, 1 << (n - 1).bit_length())
-  # Padding repeats a valid input value, so no padded lane evaluates outside the domain.
-  padded = [np.pad(a, (0, size - a.size), mode="edge") if a.size else np.ones(size) for a in flat]
+  n = flat[0].size
   if key not in _JITTED:
     _JITTED[key] = jax.jit(fn)
+  out = np.empty(n, np.float64)
   with jax.enable_x64(True):
-    out = _JITTED[key](*(jnp.asarray(a, jnp.float64) for a in padded))
-    out = np.asarray(jax.device_get(out), np.float64)
-  return out[: flat[0].size].reshape(shape)
+    for start in range(0, n, _CHUNK):
+      # Padding repeats a valid input value, so no padded lane evaluates outside the domain.
+      chunk = [
+        np.pad(a[start : start + _CHUNK], (0, max(0, start + _CHUNK - n)), "edge") for a in flat
+      ]
+      value = _JITTED[key](*(jnp.asarray(c, jnp.float64) for c in chunk))
+      out[start : start + _CHUNK] = np.asarray(jax.device_get(value), np.float64)[: n - start]
+  return out.reshape(shape)
 
 
 def _f64(div: divs.Divergence, t: ArrayLike) -> np.ndarray:
@@ -218,7 +223,11 @@ def local_quadratic_constant(divergence: str | divs.Divergence) -> float:
 
 def quadratic_constant(divergence: str | divs.Divergence) -> float:
   """C_f = inf over V in (0, 1] of L_f(V) / V^2: D_f <= delta implies TV <= sqrt(delta / C_f)."""
-  div = divs.get(divergence)
+  return _quadratic_constant(divs.get(divergence))
+
+
+@functools.lru_cache(maxsize=64)
+def _quadratic_constant(div: divs.Divergence) -> float:
   grid = np.unique(np.concatenate([np.geomspace(1e-3, 1.0, 200), np.linspace(0.01, 1.0, 100)]))
   ratio = lower_bound(div, grid) / grid**2
   i = int(np.argmin(ratio))
