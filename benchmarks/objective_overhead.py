@@ -15,8 +15,9 @@ A second timing of the loss alone (its gradient with respect to logp [B, T]) giv
 microseconds any step-level difference must come from; "extra/step" is that difference as a share
 of a PPO step, a low-noise estimate of the overhead. Ends with one JSON line.
 
-Default sizes (4096 tokens, hidden 256, vocab 1024: ~2 GFLOP per step) take ~20-30 ms per step on
-two idle cores of this machine; a larger vocab makes the loss's share (and any overhead) smaller.
+Default sizes (4096 tokens, hidden 256, vocab 1024: ~2 GFLOP per step) should take ~15-30 ms on two
+idle cores (an estimate from the ~170 GFLOP/s matmul peak; the step measured 250-330 ms while other
+jobs shared the cores). A larger vocab makes the loss's share, and any overhead, smaller.
 
   python benchmarks/objective_overhead.py [--tokens 4096 --hidden 256 --vocab 1024 --rounds 15]
 """
