@@ -15,6 +15,7 @@ Training reads log-probs through `chunked_logprobs`, which walks the sequence in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -500,7 +501,8 @@ class Transformer(nnx.Module):
     Without cache: causal attention over the T tokens, ignoring keys whose attn_mask is False.
     With cache and scalar cache_index: writes the new K/V into slots [cache_index,
     cache_index + T), marks them with attn_mask, and token i attends to every real slot
-    j <= cache_index + i. Returns (hidden [B, T, hidden_size] after the final norm, new cache).
+    j <= cache_index + i. A padding query attends only to itself (finite, ignorable output).
+    Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
     """
     cfg = self.cfg
     B, T = tokens.shape
@@ -513,8 +515,9 @@ class Transformer(nnx.Module):
     layer_ids = jnp.arange(cfg.num_layers)
 
     if cache is None:
+      # Pad queries see only themselves: no all-masked rows, and pads stay causal too.
       causal = jnp.tril(jnp.ones((T, T), bool))
-      allowed = causal[None] & attn_mask[:, None, :]
+      allowed = (causal[None] & attn_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
 
       def step(x, xs):
         p, _ = xs
@@ -528,8 +531,9 @@ class Transformer(nnx.Module):
       idx = jnp.asarray(cache_index, jnp.int32)
       S = cache.mask.shape[1]
       mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, idx))
-      slots = jnp.arange(S)[None, :] <= idx + jnp.arange(T)[:, None]  # [T, S]
-      allowed = slots[None] & mask[:, None, :]
+      query_slot = idx + jnp.arange(T)[:, None]
+      slots = jnp.arange(S)[None, :]
+      allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
       zero = jnp.zeros((), jnp.int32)
 
       def step(carry, xs):
@@ -563,6 +567,23 @@ class Transformer(nnx.Module):
     """float32 [..., vocab] logits of hidden states (tied or untied head)."""
     w, tied = self.unembedding()
     return _project(hidden, w, tied)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_state(cfg: ModelConfig, key: jax.Array):
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key)))
+
+
+def create(cfg: ModelConfig, seed: int = 0) -> Transformer:
+  """A randomly initialised Transformer, built in one compiled call (cached per config)."""
+  graphdef = abstract_graphdef(cfg)
+  return nnx.merge(graphdef, _init_state(cfg, jax.random.key(seed)))
+
+
+def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+  """The module structure of Transformer(cfg), without allocating parameters."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  return graphdef
 
 
 def _project(hidden, w, tied):

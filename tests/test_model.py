@@ -1,0 +1,223 @@
+"""Transformer properties: chunked heads equal naive ones, padding, causality, cache, sharding."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gppo_jax import model, partitioning
+
+CFG = model.get_preset("tiny", attention_bias=True, qk_norm=True, family="qwen3")
+
+
+@pytest.fixture(scope="module")
+def policy():
+  m = model.create(CFG, seed=0)
+
+  # Non-trivial norms and biases, so every parameter path shapes the output (host-side noise).
+  rng = np.random.default_rng(1)
+  noise = lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(np.float32)
+  nnx.update(m, jax.tree.map(noise, nnx.state(m)))
+  return m
+
+
+def _batch(B=3, T=13, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, CFG.vocab_size, size=(B, T)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  mask[0, :4] = False
+  mask[1, :1] = False
+  tokens[~mask] = CFG.pad_token_id
+  positions = np.asarray(model.positions_from_mask(jnp.asarray(mask)))
+  targets = np.roll(tokens, -1, axis=1)
+  return tokens, mask, positions, targets
+
+
+@nnx.jit
+def _hidden(m, tokens, mask, positions):
+  return m(tokens, positions, attn_mask=mask)[0]
+
+
+def _naive(m, hidden, targets, temperature):
+  logp = jax.nn.log_softmax(m.logits(hidden) / temperature, axis=-1)
+  return logp, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 13, 64])
+def test_chunked_stats_equal_naive(policy, chunk_size):
+  tokens, mask, positions, targets = _batch()
+  hidden = _hidden(policy, tokens, mask, positions)
+  ids = np.stack([targets, (targets * 7 + 3) % CFG.vocab_size], -1)
+  stats = jax.jit(
+    lambda h, t, i: model.chunked_logprobs(
+      policy, h, t, temperature=0.7, chunk_size=chunk_size, gather_ids=i, entropy=True, top_k=4
+    )
+  )(hidden, targets, ids)
+  logp, want = _naive(policy, hidden, targets, 0.7)
+  chex.assert_trees_all_close(stats["logprobs"], want, atol=1e-5)
+  chex.assert_trees_all_close(
+    stats["gathered_logprobs"], jnp.take_along_axis(logp, jnp.asarray(ids), -1), atol=1e-5
+  )
+  ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+  chex.assert_trees_all_close(stats["entropy"], ent, atol=1e-5)
+  top_vals, top_ids = jax.lax.top_k(logp, 4)
+  chex.assert_trees_all_close(stats["topk_logprobs"], top_vals, atol=1e-5)
+  np.testing.assert_array_equal(stats["topk_ids"], top_ids)
+
+
+def test_token_logprob_wrappers_and_gradients_equal_naive(policy):
+  tokens, mask, positions, targets = _batch()
+  weights = jnp.asarray(mask, jnp.float32)
+  graphdef, state = nnx.split(policy)
+
+  def chunked(state):
+    m = nnx.merge(graphdef, state)
+    lp, ent = model.token_logprobs_and_entropy(
+      m, tokens, positions, mask, targets, temperature=1.3, chunk_size=4
+    )
+    return jnp.sum(weights * (lp + 0.1 * ent))
+
+  def naive(state):
+    m = nnx.merge(graphdef, state)
+    logp, lp = _naive(m, m(tokens, positions, attn_mask=mask)[0], targets, 1.3)
+    ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+    return jnp.sum(weights * (lp + 0.1 * ent))
+
+  (v1, g1), (v2, g2) = (
+    jax.jit(jax.value_and_grad(chunked))(state),
+    jax.jit(jax.value_and_grad(naive))(state),
+  )
+  chex.assert_trees_all_close(v1, v2, rtol=1e-5)
+  chex.assert_trees_all_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+  ids = jnp.stack([targets, jnp.zeros_like(targets)], -1)
+
+  @jax.jit
+  def wrappers(state):
+    m = nnx.merge(graphdef, state)
+    kw = dict(temperature=1.3, chunk_size=4)
+    lp = model.token_logprobs(m, tokens, positions, mask, targets, **kw)
+    gathered = model.gather_logprobs(m, tokens, positions, mask, ids, **kw)
+    return lp, gathered, _naive(m, m(tokens, positions, attn_mask=mask)[0], targets, 1.3)[1]
+
+  lp, gathered, want = wrappers(state)
+  chex.assert_trees_all_close(lp, want, atol=1e-5)
+  chex.assert_trees_all_close(gathered[..., 0], want, atol=1e-5)
+
+
+def test_left_padding_and_causality(policy):
+  tokens, mask, positions, _ = _batch()
+  hidden = np.asarray(_hidden(policy, tokens, mask, positions))
+  # Row 0 without its 4 pads (padded on the right instead) gives the same real-token states.
+  unpadded = np.concatenate([tokens[:1, 4:], np.full((1, 4), 5, np.int32)], axis=1)
+  alone = np.asarray(
+    _hidden(policy, unpadded, np.ones_like(mask[:1]), np.arange(13, dtype=np.int32)[None])
+  )
+  np.testing.assert_allclose(alone[0, :9], hidden[0, 4:], atol=1e-5)
+  # Changing a later token never changes earlier states.
+  changed = tokens.copy()
+  changed[:, 8] = (changed[:, 8] + 1) % CFG.vocab_size
+  hidden2 = np.asarray(_hidden(policy, changed, mask, positions))
+  np.testing.assert_allclose(hidden2[:, :8], hidden[:, :8], atol=1e-6)
+  assert np.abs(hidden2[:, 8:] - hidden[:, 8:]).max() > 1e-3
+
+
+def test_kv_cache_matches_full_forward(policy):
+  tokens, mask, positions, _ = _batch()
+  want = np.asarray(_hidden(policy, tokens, mask, positions))
+  graphdef, state = nnx.split(policy)
+
+  @jax.jit
+  def decode(state):
+    m = nnx.merge(graphdef, state)
+    cache = model.init_cache(CFG, 3, 16)
+    h0, cache = m(
+      tokens[:, :6], positions[:, :6], attn_mask=mask[:, :6], cache=cache, cache_index=0
+    )
+    h1, cache = m(tokens[:, 6:9], positions[:, 6:9], cache=cache, cache_index=6)  # 3-token chunk
+
+    def step(cache, i):
+      tok = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
+      pos = jax.lax.dynamic_slice_in_dim(positions, i, 1, axis=1)
+      h, cache = m(tok, pos, cache=cache, cache_index=i)
+      return cache, h[:, 0]
+
+    cache, hs = jax.lax.scan(step, cache, jnp.arange(9, 13))
+    return jnp.concatenate([h0, h1, hs.swapaxes(0, 1)], axis=1), cache
+
+  got, cache = decode(state)
+  np.testing.assert_allclose(np.asarray(got)[mask], want[mask], atol=1e-5)
+  assert cache.k.shape == (CFG.num_layers, 3, 16, CFG.num_kv_heads, CFG.head_dim)
+  np.testing.assert_array_equal(np.asarray(cache.mask), np.pad(mask, ((0, 0), (0, 3))))
+
+
+def test_bfloat16_compute_is_finite_and_close(policy):
+  tokens, mask, positions, targets = _batch()
+  bf = nnx.merge(
+    model.abstract_graphdef(dataclasses.replace(CFG, dtype="bfloat16")), nnx.state(policy)
+  )
+  both = nnx.jit(
+    lambda m, bf: [model.token_logprobs(x, tokens, positions, mask, targets) for x in (m, bf)]
+  )
+  lp, lp_bf = both(policy, bf)
+  assert lp_bf.dtype == jnp.float32 and np.isfinite(np.asarray(lp_bf)).all()
+  assert float(jnp.abs(lp_bf - lp)[mask].max()) < 0.1
+
+
+def _abstract_count(cfg):
+  return model.param_count(nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
+@pytest.mark.parametrize(
+  "name, billions",
+  [("qwen2.5-0.5b", 0.494), ("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("llama3.1-8b", 8.03)],
+)
+def test_presets_have_published_parameter_counts(name, billions):
+  assert abs(_abstract_count(model.get_preset(name)) / 1e9 - billions) < 0.01
+
+
+def test_char_presets_are_small_and_bad_names_list_choices():
+  for name in ("char-tiny", "char-small"):
+    n = _abstract_count(model.get_preset(name))
+    assert 1e5 <= n <= 1e6 and model.get_preset(name).vocab_size == 64
+  with pytest.raises(ValueError, match="qwen3-8b"):
+    model.get_preset("qwen9")
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    model.get_preset("tiny", num_kv_heads=3)
+  with pytest.raises(ValueError, match="rope_scaling type"):
+    model.get_preset("tiny", rope_scaling=(("rope_type", "yarn"),))
+  assert hash(model.get_preset("llama3.1-8b"))  # usable as a static jit argument
+
+
+def test_sharding_rules_place_parameters_and_keep_outputs(policy):
+  mesh = jax.make_mesh(
+    (2, 2, 2), partitioning.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3
+  )
+  shardings = partitioning.state_shardings(nnx.state(policy), mesh)
+  assert shardings["layers"]["wq"].get_value().spec == jax.P(None, "fsdp", "tensor", None)
+  assert shardings["embed"].get_value().spec == jax.P("tensor", "fsdp")
+  assert shardings["layers"]["w_down"].get_value().spec == jax.P(None, "tensor", "fsdp")
+  # head_dim=16 is not divisible by a 3-way axis, so it would be dropped, never an error:
+  spec = partitioning.logical_to_spec(
+    ("layers", "kv_heads"), (("layers", None), ("kv_heads", "tensor")), shape=(2, 3), mesh=mesh
+  )
+  assert spec == jax.P(None, None)
+  with pytest.raises(ValueError, match="no sharding rule"):
+    partitioning.logical_to_spec(("nope",))
+
+  sharded = partitioning.create_sharded(lambda: model.Transformer(CFG, rngs=nnx.Rngs(0)), mesh)
+  assert sharded.layers.w_gate[...].sharding.spec == jax.P(None, "fsdp", "tensor")
+  ref = model.create(CFG, seed=0)
+  chex.assert_trees_all_close(nnx.state(sharded), nnx.state(ref))
+
+  tokens, mask, positions, _ = _batch(B=4)
+  want = _hidden(policy, tokens, mask, positions)
+  placed = partitioning.shard_model(nnx.clone(policy), mesh)
+  assert placed.layers.wo[...].sharding.spec == jax.P(None, "tensor", None, "fsdp")
+  batch = partitioning.batch_sharding(mesh, 2)
+  got = _hidden(placed, *(jax.device_put(x, batch) for x in (tokens, mask, positions)))
+  chex.assert_trees_all_close(got, want, atol=1e-5)
