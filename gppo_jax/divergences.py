@@ -122,9 +122,12 @@ def _forward_kl_perspective(log_a: Array, log_b: Array) -> Array:
 
 
 def _js_perspective(log_a: Array, log_b: Array) -> Array:
-  # f(t) = t log t - (1 + t) log((1 + t) / 2):  a log(2a / (a + b)) + b log(2b / (a + b)).
-  log_m = jnp.logaddexp(log_a, log_b) - math.log(2.0)
-  value = jnp.exp(log_a) * (log_a - log_m) + jnp.exp(log_b) * (log_b - log_m)
+  # f(t) = t log t - (1 + t) log((1 + t) / 2):  a log(2a / (a + b)) + b log(2b / (a + b)),
+  # written with log1p / expm1 of d = log a - log b so that it is exactly 0 at a = b.
+  d = jnp.clip(log_a - log_b, -2.0 * MAX_LOG_RATIO, 2.0 * MAX_LOG_RATIO)
+  value = -jnp.exp(log_a) * jnp.log1p(0.5 * jnp.expm1(-d)) - jnp.exp(log_b) * jnp.log1p(
+    0.5 * jnp.expm1(d)
+  )
   return jnp.maximum(value, 0.0)
 
 

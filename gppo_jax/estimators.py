@@ -50,8 +50,10 @@ def _prep(logp: Array, logq: Array) -> tuple[Array, Array]:
   logq = jnp.asarray(logq)
   if logp.shape != logq.shape:
     raise ValueError(f"logp and logq must have the same shape, got {logp.shape} and {logq.shape}")
-  logp = jnp.maximum(logp.astype(jnp.float32), LOG_PROB_FLOOR)
-  logq = jnp.maximum(logq.astype(jnp.float32), LOG_PROB_FLOOR)
+  # float32 math for bf16 / float32 inputs; float64 stays float64 (x64 mode, e.g. the theory).
+  dtype = jnp.promote_types(jnp.promote_types(logp.dtype, logq.dtype), jnp.float32)
+  logp = jnp.maximum(logp.astype(dtype), LOG_PROB_FLOOR)
+  logq = jnp.maximum(logq.astype(dtype), LOG_PROB_FLOOR)
   return logp, logq
 
 

@@ -60,6 +60,9 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int = 0
   family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
+  # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char presets
+  # use a larger one, without which attention stays uniform for hundreds of steps.
+  initializer_range: float = 0.02
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -163,6 +166,7 @@ PRESETS: dict[str, ModelConfig] = {
     bos_token_id=1,
     eos_token_ids=(2,),
     pad_token_id=0,
+    initializer_range=0.1,
   ),  # fmt: skip
   "char-small": ModelConfig(
     64,
@@ -177,6 +181,7 @@ PRESETS: dict[str, ModelConfig] = {
     bos_token_id=1,
     eos_token_ids=(2,),
     pad_token_id=0,
+    initializer_range=0.1,
   ),  # fmt: skip
   "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
   "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
@@ -320,7 +325,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
     "tie_word_embeddings": cfg.tie_word_embeddings,
     "attention_dropout": 0.0,
-    "initializer_range": 0.02,
+    "initializer_range": cfg.initializer_range,
     "use_cache": True,
     "bos_token_id": cfg.bos_token_id,
     "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
@@ -341,10 +346,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+def _param(
+  rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal", std: float = 0.02
+) -> nnx.Param:
   """An nnx.Param with logical axis names; placement is decided later by partitioning.py."""
   if init == "normal":
-    value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   elif init == "ones":
     value = jnp.ones(shape, jnp.float32)
   else:
@@ -358,7 +365,10 @@ class Layers(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     H, K, Dh, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.params_dtype
-    p = lambda shape, axes, init="normal": _param(rngs, (L, *shape), ("layers", *axes), dt, init)
+    std = cfg.initializer_range
+    p = lambda shape, axes, init="normal": _param(
+      rngs, (L, *shape), ("layers", *axes), dt, init, std
+    )
     self.attn_norm = p((D,), ("embed",), "ones")
     self.wq = p((D, H, Dh), ("embed", "heads", "head_dim"))
     self.wk = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
@@ -481,11 +491,14 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     dt = cfg.params_dtype
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+    std = cfg.initializer_range
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt, std=std)
     self.layers = Layers(cfg, rngs)
     self.final_norm = _param(rngs, (cfg.hidden_size,), ("embed",), dt, "ones")
     if not cfg.tie_word_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+      self.lm_head = _param(
+        rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt, std=std
+      )
 
   def __call__(
     self,

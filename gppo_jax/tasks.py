@@ -180,6 +180,17 @@ TASKS: dict[str, Task] = {
     [1.0],
     "3-digit addition, normal order",
   ),
+  "add_mix": _mixture(
+    "add_mix",
+    [
+      Arithmetic(2, 2, "+", True, 1),
+      Arithmetic(3, 2, "+", True, 2),
+      Arithmetic(4, 2, "+", True, 3),
+      Arithmetic(2, 3, "+", True, 4),
+    ],
+    [0.25, 0.25, 0.25, 0.25],
+    "mixed difficulty: 2-4 digit addition and 3-operand 2-digit sums, answers reversed",
+  ),
   "arith_mix": _mixture(
     "arith_mix",
     [

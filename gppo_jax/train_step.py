@@ -188,9 +188,11 @@ def make_update_fn(
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, metrics = jax.lax.scan(micro_step, zeros, micro)
+    summed = {k: jnp.sum(metrics.pop(k), axis=0) for k in ("loss/sum", "loss/count")}
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-    metrics["loss/total"] = jnp.sum(metrics["loss/sum"]) / jnp.maximum(count, 1.0)
-    metrics["optim/grad_norm"] = optax.global_norm(grads)
+    metrics.update(summed)
+    metrics["loss/total"] = summed["loss/sum"] / jnp.maximum(count, 1.0)
+    metrics["optim/grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     return (params, opt_state), metrics

@@ -1,0 +1,161 @@
+"""End-to-end training: smoke run with checkpoint and resume, learning, configs, bad input."""
+
+import glob
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gppo_jax import config_lib, envs, tasks, train, train_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name, arg=None):
+  path = os.path.join(REPO, "configs", name)
+  spec = importlib.util.spec_from_file_location(name[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def test_every_config_file_loads_and_validates():
+  names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.py")))
+  cells = {f"{d}_{e}.py" for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary",
+                                                                               "atomic")}
+  assert cells | {"base.py", "ppo.py", "dapo.py", "dppo.py", "ripo.py"} <= set(names)
+  for name in names:
+    for arg in (None, "smoke"):
+      c = load_config(name, arg)
+      config_lib.validate(c)
+      if name in cells:
+        d, e = name[:-3].split("_")
+        assert (c.loss.divergence, c.loss.estimator) == (d, e)
+  dapo = load_config("dapo.py")
+  assert (dapo.loss.delta_low, dapo.loss.delta_high) == (0.1, 0.14)
+  assert load_config("kl_atomic.py").loss.delta_low == pytest.approx(0.0231, abs=1e-4)
+
+
+def test_bad_configs_raise_clear_errors(tmp_path):
+  c = load_config("kl_atomic.py", "smoke")
+  c.loss.divergence = "kll"
+  with pytest.raises(ValueError, match="unknown divergence 'kll'"):
+    config_lib.validate(c)
+  c = load_config("kl_atomic.py", "smoke")
+  c.loss.estimator = "atom"
+  with pytest.raises(ValueError, match="unknown estimator 'atom'"):
+    config_lib.validate(c)
+  c = load_config("kl_atomic.py", "smoke")
+  del c.loss["delta_low"]
+  with pytest.raises(ValueError, match="missing required fields: loss.delta_low"):
+    config_lib.validate(c)
+  c = load_config("kl_atomic.py", "smoke")
+  c.train.minibatches = 3
+  with pytest.raises(ValueError, match="must be divisible"):
+    config_lib.validate(c)
+  c = load_config("kl_atomic.py", "smoke")
+  c.model.path = str(tmp_path / "no_such_model")
+  c.data.train_path = str(tmp_path / "train.jsonl")
+  with pytest.raises(FileNotFoundError, match="no_such_model"):
+    train.train_and_evaluate(c, str(tmp_path / "wd"))
+
+
+def test_malformed_data_file_names_the_line(tmp_path):
+  from gppo_jax import data
+
+  bad = tmp_path / "train.jsonl"
+  bad.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": \n')
+  with pytest.raises(data.DataError, match=r"train.jsonl:2"):
+    data.load_dataset(str(bad), encode=lambda s: [1, 2])
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  with pytest.raises(data.DataError, match="empty.jsonl"):
+    data.load_dataset(str(empty), encode=lambda s: [1])
+
+
+def test_builtin_tasks_split_and_score():
+  task = tasks.get("arith_mix")
+  ev = task.eval_set(200)
+  tr = task.sample(np.random.default_rng(0), 2000)
+  assert not {p.prompt for p in ev} & {p.prompt for p in tr}
+  assert task.eval_set(200) == ev  # fixed held-out set
+  tok = tasks.CharTokenizer()
+  for p in ev[:50]:
+    assert tok.decode(tok.encode(p.prompt)) == p.prompt
+    expr = p.prompt[:-1]
+    assert p.answer[::-1] == str(eval(expr))  # the reversed answer is the true value
+    assert task.reward(" " + p.answer, p) == 1.0 and task.reward(p.answer + "1", p) == 0.0
+  with pytest.raises(ValueError, match="valid names"):
+    tasks.get("chess")
+
+
+def test_gradient_accumulation_gives_the_same_update():
+  env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
+  from flax import nnx
+
+  from gppo_jax import model as model_lib
+
+  cfg = model_lib.get_preset("char-tiny", vocab_size=env.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  n, r = 16, env.max_new_tokens
+  p_tok = rng.integers(3, cfg.vocab_size, (n, env.max_prompt_len)).astype(np.int32)
+  p_mask = np.ones_like(p_tok, bool)
+  p_mask[::3, :2] = False
+  resp = rng.integers(3, cfg.vocab_size, (n, r)).astype(np.int32)
+  resp_mask = np.arange(r)[None] < rng.integers(1, r + 1, (n, 1))
+  batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
+  batch.update(logq=np.log(rng.uniform(0.05, 0.9, (n, r))).astype(np.float32), mask=resp_mask,
+               adv=rng.normal(size=n).astype(np.float32))
+  tx = train_step.make_optimizer(lr=1e-2, total_steps=10)
+  outs = []
+  for aggregation in ("token-mean", "seq-mean-token-mean"):
+    for micro in (1, 4):
+      spec = train_step.UpdateSpec(prompt_len=env.max_prompt_len, epochs=1, minibatches=2,
+                                   microbatches=micro)
+      kw = dict(divergence="kl", estimator="atomic", delta_low=0.02, aggregation=aggregation)
+      update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, kw))
+      state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+      new, metrics = update(state, batch, jax.random.PRNGKey(0))
+      outs.append((new.params, metrics["loss/total"]))
+    (p1, l1), (p4, l4) = outs[-2:]
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l4), rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+  assert int(new.step) == 2
+
+
+def smoke_config(tmp_path, **loss):
+  c = load_config("kl_atomic.py", "smoke")
+  for k, v in loss.items():
+    c.loss[k] = v
+  return c
+
+
+def test_smoke_run_checkpoints_and_resumes(tmp_path):
+  c = smoke_config(tmp_path)
+  wd = str(tmp_path / "run")
+  summary = train.train_and_evaluate(c, wd)
+  assert summary["iterations"] == 3
+  lines = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+  steps = [x["step"] for x in lines]
+  assert steps[0] == 0 and steps[-1] == 3 and "eval/accuracy" in lines[0]
+  for key in ("reward/mean", "trust/masked_frac", "div/estimate_mean", "loss/total"):
+    assert all(key in x for x in lines[1:]), key
+  assert glob.glob(os.path.join(wd, "tensorboard", "events.out.tfevents.*"))
+  assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]
+  assert json.load(open(os.path.join(wd, "config.json")))["loss"]["estimator"] == "atomic"
+  assert os.path.exists(os.path.join(wd, "summary.json"))
+  # Resume: a longer run in the same workdir continues at iteration 3, not from scratch.
+  c.iterations = 4
+  summary2 = train.train_and_evaluate(c, wd)
+  lines2 = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+  assert [x["step"] for x in lines2[len(lines):]] == [4]
+  assert summary2["initial_eval"] == summary["initial_eval"]
+  assert "4" in os.listdir(os.path.join(wd, "checkpoints"))
+  # The resumed optimizer step count continues from the checkpoint.
+  assert lines2[-1]["optim/steps"] == 4 * c.train.epochs * c.train.minibatches
