@@ -152,39 +152,59 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
 
   Same law as `jax.random.categorical`, but one uniform per row instead of V Gumbel variates: on
   CPU that is ~20x cheaper than threefry-generated noise for a 32k vocabulary, a sizeable part of
-  a small model's decode step. The vocabulary is cut into ~sqrt(V) blocks: pick a block by its
-  mass, then a token inside it, each by a short cumulative sum.
+  a small model's decode step.
   """
-  batch, vocab = logits.shape
+  return _draw(key, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
+
+
+def _draw(key: jax.Array, weights: jax.Array) -> jax.Array:
+  """Inverse-CDF draw from unnormalised weights >= 0 [B, V] (some positive in every row).
+
+  The vocabulary is cut into ~sqrt(V) blocks: pick a block by its mass, then a token inside it,
+  each by a short cumulative sum, so no length-V scan is needed.
+  """
+  batch, vocab = weights.shape
   block = 1 << max(0, (int(np.ceil(np.sqrt(vocab))) - 1).bit_length())
   n = -(-vocab // block)
-  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-  p = jnp.pad(p, ((0, 0), (0, n * block - vocab))).reshape(batch, n, block)
-  mass = p.sum(-1)  # [B, n]
+  if n * block != vocab:
+    weights = jnp.pad(weights, ((0, 0), (0, n * block - vocab)))
+  w = weights.reshape(batch, n, block)
+  mass = w.sum(-1)  # [B, n]
   cum = jnp.cumsum(mass, axis=-1)
   u = jax.random.uniform(key, (batch, 1), jnp.float32) * cum[:, -1:]
   # Rounding can push u to the end of the range: clamp to the last block / token with mass.
   j = jnp.minimum(jnp.sum(cum <= u, axis=-1), _last_positive(mass))
   before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0)
   rest = u[:, 0] - before  # >= 0: mass still to walk inside block j
-  row = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [B, block]
+  row = jnp.take_along_axis(w, j[:, None, None], axis=1)[:, 0]  # [B, block]
   i = jnp.minimum(jnp.sum(jnp.cumsum(row, axis=-1) <= rest[:, None], axis=-1), _last_positive(row))
   return (j * block + i).astype(jnp.int32)
 
 
 def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
-  """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None)."""
+  """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None).
+
+  One exp pass serves the draw and the log-normaliser: logprob = x[token] - logsumexp(x) for the
+  tempered logits x (or the truncated ones, -inf outside the kept set).
+  """
+  x = logits if p.greedy else logits / p.temperature
+  top = jnp.max(x, axis=-1, keepdims=True)  # always kept by truncation, so shared by both
+  e = jnp.exp(x - top)
   if p.greedy:
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    dist = jax.nn.log_softmax(logits, axis=-1)
+    token = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    dist, norm = x, e
   else:
-    scaled = logits / p.temperature
-    threshold = _truncation_threshold(scaled, p.top_k, p.top_p)
-    truncated = scaled if threshold is None else jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    token = categorical(key, truncated)
-    dist = jax.nn.log_softmax(truncated if p.logprobs_mode == "truncated" else scaled, axis=-1)
-  logprob = jnp.take_along_axis(dist, token[:, None], axis=-1)[:, 0]
-  topk = jax.lax.top_k(dist, p.num_topk) if p.num_topk > 0 else None
+    threshold = _truncation_threshold(x, p.top_k, p.top_p)
+    kept = x if threshold is None else jnp.where(x >= threshold, x, -jnp.inf)
+    w = e if threshold is None else jnp.where(x >= threshold, e, 0.0)
+    token = _draw(key, w)
+    dist, norm = (kept, w) if p.logprobs_mode == "truncated" else (x, e)
+  lse = top + jnp.log(jnp.sum(norm, axis=-1, keepdims=True))
+  logprob = jnp.take_along_axis(dist, token[:, None], axis=-1)[:, 0] - lse[:, 0]
+  topk = None
+  if p.num_topk > 0:
+    vals, ids = jax.lax.top_k(dist, p.num_topk)
+    topk = (vals - lse, ids)
   return token, logprob, topk
 
 
