@@ -363,4 +363,9 @@ def save_model(
       src = Path(source) / fname
       if src.is_file() and src.resolve() != (path / fname).resolve():
         shutil.copyfile(src, path / fname)
+  if not (path / "generation_config.json").is_file():  # so generate() and vLLM stop on eos
+    gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id}
+    eos = list(cfg.eos_token_ids)
+    gen["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
   return path

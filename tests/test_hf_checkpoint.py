@@ -178,6 +178,8 @@ def test_bf16_checkpoint_round_trip(tmp_path):
   assert policy.cfg.param_dtype == "bfloat16"
   out = hf_checkpoint.save_model(policy, tmp_path / "out")
   assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  gen = transformers.GenerationConfig.from_pretrained(out)
+  assert gen.eos_token_id == 2 and gen.pad_token_id == 0
   a = load_file(str(tmp_path / "bf16" / "model.safetensors"))
   b = load_file(str(out / "model.safetensors"))
   assert set(b) <= set(a)
