@@ -28,6 +28,13 @@ from flax import nnx
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
+# Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory),
+# "dots" also keeps weight-matmul outputs, "none" keeps everything (fastest, most memory).
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -60,6 +67,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int = 0
   family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
+  remat: str = "full"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
   # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char presets
   # use a larger one, without which attention stays uniform for hundreds of steps.
   initializer_range: float = 0.02
@@ -68,6 +76,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {sorted(DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
     if self.family not in FAMILIES:
       raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
     if self.num_heads % self.num_kv_heads:
@@ -535,6 +545,9 @@ class Transformer(nnx.Module):
       def step(x, xs):
         p, _ = xs
         return _layer(cfg, p, x, positions, inv_freq, lambda k, v: (k, v, allowed)), None
+
+      if REMAT_POLICIES[cfg.remat] is not None:
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
       x, _ = jax.lax.scan(step, x, (params, layer_ids))
       new_cache = None

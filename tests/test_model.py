@@ -233,3 +233,22 @@ def test_sharding_rules_place_parameters_and_keep_outputs(policy):
   batch = partitioning.batch_sharding(mesh, 2)
   got = _hidden(placed, *(jax.device_put(x, batch) for x in (tokens, mask, positions)))
   chex.assert_trees_all_close(got, want, atol=1e-5)
+
+
+def test_remat_keeps_gradients_and_saves_memory(policy):
+  tokens, mask, positions, _ = _batch(B=2, T=48)
+  state = nnx.state(policy)
+  results = {}
+  for remat in ("none", "full"):
+    graphdef = model.abstract_graphdef(dataclasses.replace(CFG, remat=remat))
+
+    def loss(state, graphdef=graphdef):
+      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
+      return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
+
+    compiled = jax.jit(jax.grad(loss)).lower(state).compile()
+    results[remat] = (compiled(state), compiled.memory_analysis().temp_size_in_bytes)
+  chex.assert_trees_all_close(results["full"][0], results["none"][0], atol=1e-3, rtol=1e-3)
+  assert results["full"][1] < results["none"][1]
+  with pytest.raises(ValueError, match="remat"):
+    model.get_preset("tiny", remat="some")
