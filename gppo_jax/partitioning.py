@@ -6,6 +6,9 @@ name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config ch
 A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
 earlier dimension of the same array is dropped (that dimension is then replicated over it), so
 tiny test models and odd head counts never fail to shard.
+
+Meshes must use `jax.sharding.AxisType.Auto` axes: the model pins no activation shardings and
+lets XLA propagate them from the parameters and the batch.
 """
 
 from __future__ import annotations

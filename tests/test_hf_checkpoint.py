@@ -329,3 +329,17 @@ def test_export_copies_tokenizer_and_load_pretrained(tokenizer_dir, tmp_path):
   assert tokenizer.load_tokenizer(out).apply_chat_template(MESSAGES) == tok.apply_chat_template(
     MESSAGES
   )
+
+
+def test_load_onto_mesh_shards_parameters_and_keeps_logits(llama_dir):
+  from gppo_jax import partitioning
+
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  mesh = jax.make_mesh((2, 2, 2), partitioning.MESH_AXES, axis_types=auto)
+  policy = hf_checkpoint.load_model(llama_dir, mesh=mesh)
+  assert policy.layers.w_up[...].sharding.spec == jax.P(None, "fsdp", "tensor")
+  assert policy.embed[...].sharding.spec == jax.P("tensor", "fsdp")
+  tokens, mask, positions = _batch()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
+  want = _hf_logits(hf.eval(), tokens, mask, positions)
+  _assert_close_on(mask, _our_logits(policy, tokens, mask, positions), want)
