@@ -120,9 +120,8 @@ def left_pad(
   tokens = np.full((len(prompts), length), pad_id, np.int32)
   mask = np.zeros((len(prompts), length), bool)
   for i, p in enumerate(prompts):
-    if len(p):
-      tokens[i, length - len(p) :] = np.asarray(p, np.int32)
-      mask[i, length - len(p) :] = True
+    tokens[i, length - len(p) :] = np.asarray(p, np.int32)
+    mask[i, length - len(p) :] = True
   return tokens, mask
 
 
