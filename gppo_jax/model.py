@@ -309,6 +309,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     eos_token_ids=eos_ids,
     pad_token_id=int(pad),
     family=family,
+    initializer_range=float(c.get("initializer_range", 0.02)),
   )
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
@@ -596,14 +597,14 @@ class Transformer(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_state(cfg: ModelConfig, key: jax.Array):
-  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key)))
+def _init_state(cfg: ModelConfig, seed: jax.Array):
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))))
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Transformer:
-  """A randomly initialised Transformer, built in one compiled call (cached per config)."""
-  graphdef = abstract_graphdef(cfg)
-  return nnx.merge(graphdef, _init_state(cfg, jax.random.key(seed)))
+  """Transformer(cfg, rngs=nnx.Rngs(seed)) built in one compiled call (cached per config),
+  much faster than the op-by-op eager constructor."""
+  return nnx.merge(abstract_graphdef(cfg), _init_state(cfg, jnp.int32(seed)))
 
 
 def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
