@@ -49,7 +49,7 @@ def _naive(m, hidden, targets, temperature):
   return logp, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 13, 64])
+@pytest.mark.parametrize("chunk_size", [5, 64])  # padded multi-chunk; one capped chunk
 def test_chunked_stats_equal_naive(policy, chunk_size):
   tokens, mask, positions, targets = _batch()
   hidden = _hidden(policy, tokens, mask, positions)
@@ -235,12 +235,15 @@ def test_sharding_rules_place_parameters_and_keep_outputs(policy):
   chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
-def test_remat_keeps_gradients_and_saves_memory(policy):
+def test_remat_keeps_gradients_and_saves_memory():
+  base = model.get_preset("tiny", intermediate_size=64)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(3)
+  state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
   tokens, mask, positions, _ = _batch(B=2, T=48)
-  state = nnx.state(policy)
   results = {}
   for remat in ("none", "full"):
-    graphdef = model.abstract_graphdef(dataclasses.replace(CFG, remat=remat))
+    graphdef = model.abstract_graphdef(dataclasses.replace(base, remat=remat))
 
     def loss(state, graphdef=graphdef):
       hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
