@@ -177,6 +177,7 @@ PRESETS: dict[str, ModelConfig] = {
     eos_token_ids=(2,),
     pad_token_id=0,
     initializer_range=0.1,
+    remat="none",  # tiny: recomputing activations only costs time
   ),  # fmt: skip
   "char-small": ModelConfig(
     64,
@@ -192,6 +193,7 @@ PRESETS: dict[str, ModelConfig] = {
     eos_token_ids=(2,),
     pad_token_id=0,
     initializer_range=0.1,
+    remat="none",  # tiny: recomputing activations only costs time
   ),  # fmt: skip
   "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
   "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),

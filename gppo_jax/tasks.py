@@ -168,6 +168,12 @@ def _mixture(name, comps, weights, description):
 
 
 TASKS: dict[str, Task] = {
+  "add1": _mixture(
+    "add1",
+    [Arithmetic(1, 2, "+", True, 1)],
+    [1.0],
+    "1-digit addition, answer reversed (tiny: for tests and quick checks)",
+  ),
   "add_rev3": _mixture(
     "add_rev3",
     [Arithmetic(3, 2, "+", True, 1)],

@@ -75,7 +75,7 @@ def build_policy(config, say=print):
     pad_token_id=tok.pad_id,
     **overrides,
   )
-  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(config.seed))
+  model = model_lib.create(cfg, config.seed)
   graphdef, params = nnx.split(model)
   say(f"policy: preset {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}

@@ -25,8 +25,9 @@ def load_config(name, arg=None):
 
 def test_every_config_file_loads_and_validates():
   names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.py")))
-  cells = {f"{d}_{e}.py" for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary",
-                                                                               "atomic")}
+  cells = {
+    f"{d}_{e}.py" for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary", "atomic")
+  }
   assert cells | {"base.py", "ppo.py", "dapo.py", "dppo.py", "ripo.py"} <= set(names)
   for name in names:
     for arg in (None, "smoke"):
@@ -109,14 +110,18 @@ def test_gradient_accumulation_gives_the_same_update():
   resp = rng.integers(3, cfg.vocab_size, (n, r)).astype(np.int32)
   resp_mask = np.arange(r)[None] < rng.integers(1, r + 1, (n, 1))
   batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
-  batch.update(logq=np.log(rng.uniform(0.05, 0.9, (n, r))).astype(np.float32), mask=resp_mask,
-               adv=rng.normal(size=n).astype(np.float32))
+  batch.update(
+    logq=np.log(rng.uniform(0.05, 0.9, (n, r))).astype(np.float32),
+    mask=resp_mask,
+    adv=rng.normal(size=n).astype(np.float32),
+  )
   tx = train_step.make_optimizer(lr=1e-2, total_steps=10)
   outs = []
   for aggregation in ("token-mean", "seq-mean-token-mean"):
     for micro in (1, 4):
-      spec = train_step.UpdateSpec(prompt_len=env.max_prompt_len, epochs=1, minibatches=2,
-                                   microbatches=micro)
+      spec = train_step.UpdateSpec(
+        prompt_len=env.max_prompt_len, epochs=1, minibatches=2, microbatches=micro
+      )
       kw = dict(divergence="kl", estimator="atomic", delta_low=0.02, aggregation=aggregation)
       update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, kw))
       state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
@@ -154,8 +159,48 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   c.iterations = 4
   summary2 = train.train_and_evaluate(c, wd)
   lines2 = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
-  assert [x["step"] for x in lines2[len(lines):]] == [4]
+  assert [x["step"] for x in lines2[len(lines) :]] == [4]
   assert summary2["initial_eval"] == summary["initial_eval"]
   assert "4" in os.listdir(os.path.join(wd, "checkpoints"))
   # The resumed optimizer step count continues from the checkpoint.
   assert lines2[-1]["optim/steps"] == 4 * c.train.epochs * c.train.minibatches
+
+
+@pytest.fixture(scope="module")
+def learning_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("warmstart"))
+
+
+@pytest.mark.parametrize(
+  "divergence,estimator", [("tv", "mc"), ("kl", "binary"), ("chi2", "atomic")]
+)
+def test_policy_learns_on_a_tiny_task(tmp_path, learning_cache, divergence, estimator):
+  """For one cell of each estimator, mean reward after a few iterations is clearly above the start."""
+  c = load_config(f"{divergence}_{estimator}.py", "smoke,task=add1")
+  c.warmstart.cache_dir = learning_cache  # the three cells share one warm start
+  c.warmstart.target_accuracy = 0.2
+  c.warmstart.max_steps = 400
+  c.warmstart.eval_every = 20
+  c.warmstart.lr = 1e-2
+  c.iterations = 12
+  c.rollout.prompts_per_iter = 32
+  c.rollout.group_size = 8
+  c.train.minibatches = 2
+  c.optim.lr = 3e-3
+  c.eval.every = 12
+  c.eval.k = 0
+  c.checkpoint.every = 100
+  wd = str(tmp_path / "run")
+  summary = train.train_and_evaluate(c, wd)
+  rewards = [
+    json.loads(x)["reward/mean"]
+    for x in open(os.path.join(wd, "metrics.jsonl"))
+    if "reward/mean" in x
+  ]
+  start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+  assert end > start + 0.1, (rewards, summary)
+  late = [
+    json.loads(x).get("trust/masked_frac_late", 0.0)
+    for x in open(os.path.join(wd, "metrics.jsonl"))
+  ]
+  assert max(late) > 0.0  # the trust region acted on some late mini-batch
