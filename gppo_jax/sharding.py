@@ -1,0 +1,269 @@
+"""Scale-out set-up: the device mesh, state and batch shardings, sharded jits, multi-host input.
+
+The shell calls these in order:
+
+  maybe_initialize_distributed()             # multi-host: before any other jax call
+  mesh = make_mesh(config.mesh)              # axes data x fsdp x tensor (-1 = the rest)
+  shardings = state_shardings(state, mesh)   # params by logical axes, optimizer state mirrors them
+  state = jax.device_put(state, shardings)
+  update = jit_update(update_fn, shardings, batch_shardings(batch, mesh))
+  state, metrics = update(state, shard_batch(batch_np, mesh), rng)
+
+Parameters are placed by the logical-axis rules of `partitioning.py`; batches are split on their
+leading axis over `data` x `fsdp` (the "batch" rule). Meshes use Auto axes: XLA propagates the
+activation shardings from parameters and batch, and `constrain_batch` pins a batch-major activation
+where propagation alone would replicate it (e.g. after the minibatch shuffle, a gather).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gppo_jax import partitioning, sampler
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = partitioning.MESH_AXES  # ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+# Set to 1/true by the launch scripts on multi-host slices (see launch/README.md).
+DISTRIBUTED_ENV = "GPPO_DISTRIBUTED"
+
+
+# --- Mesh --------------------------------------------------------------------------------------
+
+
+def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) sizes from a config mapping; at most one size may be -1 (the rest)."""
+  sizes = []
+  for name in MESH_AXES:
+    size = int(mesh_cfg.get(name, 1))
+    if size == 0 or size < -1:
+      raise ValueError(f"mesh.{name}={size}: sizes must be positive or -1 (the rest)")
+    sizes.append(size)
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(
+        f"mesh {dict(zip(MESH_AXES, sizes))}: {num_devices} devices are not divisible by {known}"
+      )
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(
+      f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, found {num_devices}"
+    )
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all) with Auto axis types."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bool:
+  """Calls `jax.distributed.initialize()` when GPPO_DISTRIBUTED=1 is set (the launch scripts set
+  it on every worker of a multi-host slice). Returns whether it did.
+
+  On Cloud TPU the coordinator, process count and id are discovered automatically; elsewhere set
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (read by JAX itself).
+  """
+  environ = os.environ if environ is None else environ
+  flag = environ.get(DISTRIBUTED_ENV, "").strip().lower()
+  if flag in ("", "0", "false", "no"):
+    return False
+  if flag not in ("1", "true", "yes"):
+    raise ValueError(f"{DISTRIBUTED_ENV}={flag!r}; use 1 (initialize) or 0 (single process)")
+  jax.distributed.initialize()
+  log.info(
+    "jax.distributed: process %d of %d, %d local / %d global devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
+  return True
+
+
+def is_main_process() -> bool:
+  """True on the process that writes logs, summaries and exports (process 0)."""
+  return jax.process_index() == 0
+
+
+# --- Shardings ---------------------------------------------------------------------------------
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = None) -> Any:
+  """NamedSharding pytree for a `train_step.TrainState` (concrete or abstract).
+
+  Parameters follow their logical axes; every optimizer-state subtree shaped like the parameters
+  (Adam's mu and nu, ...) gets the parameters' shardings; everything else (step, counts) is
+  replicated.
+  """
+  rules = partitioning.DEFAULT_RULES if rules is None else rules
+  params = partitioning.state_shardings(state.params, mesh, rules)
+  params_def = jax.tree.structure(state.params)
+  rep = replicated(mesh)
+
+  def mirror(x):
+    if jax.tree.structure(x) == params_def:
+      return params
+    return jax.tree.map(lambda _: rep, x)
+
+  opt = jax.tree.map(mirror, state.opt_state, is_leaf=lambda x: jax.tree.structure(x) == params_def)
+  return state.replace(params=params, opt_state=opt, step=rep)
+
+
+def _batch_spec(shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+  if not shape:
+    return PartitionSpec()
+  spec = partitioning.logical_to_spec(
+    ("batch",) + (None,) * (len(shape) - 1), _batch_rules(), shape=shape, mesh=mesh
+  )
+  return spec
+
+
+def _batch_rules() -> partitioning.Rules:
+  return (("batch", BATCH_AXES),)
+
+
+def batch_shardings(batch: Any, mesh: Mesh) -> Any:
+  """NamedSharding pytree for a batch: leading axis over data x fsdp (axes that do not divide it
+  are dropped), scalars replicated. `batch` may hold arrays or ShapeDtypeStructs."""
+  return jax.tree.map(lambda x: NamedSharding(mesh, _batch_spec(np.shape(x), mesh)), batch)
+
+
+def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
+  """Host-local numpy rows -> global arrays sharded like `batch_shardings`.
+
+  Each process passes the rows it holds (its slice of the global batch, process_count() slices of
+  equal size); the global batch is their concatenation in process order. On one process this is a
+  device_put of the whole batch.
+  """
+  n = jax.process_count()
+
+  def put(x):
+    x = np.asarray(x)
+    global_shape = (x.shape[0] * n, *x.shape[1:]) if x.ndim else ()
+    sharding = NamedSharding(mesh, _batch_spec(global_shape, mesh))
+    return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+  return jax.tree.map(put, batch_np)
+
+
+def process_rows(num_rows: int) -> slice:
+  """The rows of a global batch of `num_rows` that this process feeds to `shard_batch`."""
+  n, i = jax.process_count(), jax.process_index()
+  if num_rows % n:
+    raise ValueError(f"a batch of {num_rows} rows does not split over {n} processes")
+  per = num_rows // n
+  return slice(i * per, (i + 1) * per)
+
+
+def to_host(tree: Any) -> Any:
+  """Global (possibly multi-host) arrays -> full numpy arrays on every process."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def constrain_batch(tree: Any) -> Any:
+  """Pins batch-major activations to data x fsdp on the ambient mesh (`jax.set_mesh` or, inside jit, `use_abstract_mesh`); a no-op
+  without one, so model-side code may call it unconditionally."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    return tree
+
+  def pin(x):
+    spec = _batch_spec(x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, spec) if x.ndim else x
+
+  return jax.tree.map(pin, tree)
+
+
+def abstract_like(tree: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying `shardings`: the target for restoring a checkpoint onto a mesh."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings
+  )
+
+
+# --- Jitted, sharded entry points --------------------------------------------------------------
+
+
+def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any) -> Callable:
+  """jit(update_fn) for (state, batch, rng) -> (state, metrics), with the state donated.
+
+  The new state keeps `state_shardings`; metrics and rng are replicated.
+  """
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  rep = replicated(mesh)
+
+  def update(state, batch, rng):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # for constrain_batch inside
+      return update_fn(state, batch, rng)
+
+  return jax.jit(
+    update,
+    in_shardings=(state_shardings, batch_shardings, rep),
+    out_shardings=(state_shardings, rep),
+    donate_argnums=0,
+  )
+
+
+def jit_logprobs(logprob_fn: Callable, param_shardings: Any, batch_shardings: Any) -> Callable:
+  """jit(params, batch) -> [N, R] log-probs, the output split over the batch axes like the input.
+
+  `logprob_fn` is the un-jitted function (train_step.make_logprob_fn's result is a jit; its
+  `.__wrapped__` works too)."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  fn = getattr(logprob_fn, "__wrapped__", logprob_fn)
+  out = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+  return jax.jit(fn, in_shardings=(param_shardings, batch_shardings), out_shardings=out)
+
+
+def jit_sampler(
+  graphdef: nnx.GraphDef,
+  sampling: sampler.SamplingParams,
+  param_shardings: Any,
+  batch_size: int,
+) -> Callable:
+  """jit(params, prompt_tokens, prompt_mask, rng) -> SampleOutput with every array split over
+  data x fsdp along the batch axis (the KV cache follows). Nothing is donated: the parameters are
+  reused by the update, and no output has an input's shape."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  rows = NamedSharding(mesh, _batch_spec((batch_size,), mesh))  # a prefix: any rank
+  rep = replicated(mesh)
+  k = sampling.num_topk
+  out = sampler.SampleOutput(
+    tokens=rows,
+    logprobs=rows,
+    mask=rows,
+    lengths=rows,
+    topk_logprobs=rows if k else None,
+    topk_ids=rows if k else None,
+  )
+
+  def sample(params, prompt_tokens, prompt_mask, rng):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sampler.sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+
+  return jax.jit(sample, in_shardings=(param_shardings, rows, rows, rep), out_shardings=out)

@@ -1,0 +1,169 @@
+"""Sharded update, sampler and checkpoints on 8 simulated CPU devices agree with one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gppo_jax import checkpointing, sampler, sharding, train_step
+from gppo_jax import model as model_lib
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
+P, R, N = 6, 5, 16
+LOSS = dict(divergence="kl", estimator="atomic", delta_low=0.02, aggregation="token-mean")
+SAMPLING = sampler.SamplingParams(max_new_tokens=6, temperature=1.0, stop_ids=(2,), num_topk=2)
+
+
+def mesh_of(shape):
+  return sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = model_lib.get_preset("tiny", remat="none")
+  graphdef, params = nnx.split(model_lib.create(cfg, seed=0))
+  tx = train_step.make_optimizer(lr=1e-2, total_steps=10)
+  rng = np.random.default_rng(0)
+  p_tok = rng.integers(3, cfg.vocab_size, (N, P)).astype(np.int32)
+  p_mask = np.ones_like(p_tok, bool)
+  p_mask[::3, :2] = False
+  resp = rng.integers(3, cfg.vocab_size, (N, R)).astype(np.int32)
+  resp_mask = np.arange(R)[None] < rng.integers(1, R + 1, (N, 1))
+  batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
+  batch.update(
+    logq=np.log(rng.uniform(0.05, 0.9, (N, R))).astype(np.float32),
+    mask=resp_mask,
+    adv=rng.normal(size=N).astype(np.float32),
+  )
+  spec = train_step.UpdateSpec(prompt_len=P, epochs=2, minibatches=2)
+  update_fn = train_step.make_update_fn(graphdef, tx, spec, LOSS)
+  state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+  host_state = jax.device_get(state)
+  key = jax.random.PRNGKey(3)
+  want = jax.device_get(jax.jit(update_fn)(state, batch, key))
+  want_sample = jax.device_get(
+    sampler.sample_jit(graphdef, params, p_tok, p_mask, key, SAMPLING)
+  )
+  return dict(
+    cfg=cfg, graphdef=graphdef, update_fn=update_fn, host_state=host_state, batch=batch,
+    key=key, want=want, p_tok=p_tok, p_mask=p_mask, want_sample=want_sample,
+  )  # fmt: skip
+
+
+def test_make_mesh_resolves_the_rest_and_rejects_bad_sizes():
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 2, "tensor": 2})
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  assert sharding.mesh_shape({"data": 1, "fsdp": -1}, 8) == (1, 8, 1)
+  with pytest.raises(ValueError, match="needs 6 devices, found 8"):
+    sharding.mesh_shape({"data": 3, "fsdp": 2, "tensor": 1}, 8)
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    sharding.mesh_shape({"data": -1, "fsdp": -1}, 8)
+  with pytest.raises(ValueError, match="not divisible by 3"):
+    sharding.mesh_shape({"data": -1, "fsdp": 3}, 8)
+  with pytest.raises(ValueError, match="mesh.tensor=0"):
+    sharding.mesh_shape({"tensor": 0}, 8)
+
+
+def test_distributed_initialize_only_when_asked(monkeypatch):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append(1))
+  assert not sharding.maybe_initialize_distributed({})
+  assert not sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "0"})
+  assert calls == []
+  assert sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "1"})
+  assert calls == [1]
+  with pytest.raises(ValueError, match="GPPO_DISTRIBUTED='maybe'"):
+    sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "maybe"})
+
+
+def test_batches_split_over_data_and_fsdp(setup):
+  mesh = mesh_of((2, 2, 2))
+  batch = sharding.shard_batch(setup["batch"], mesh)
+  assert batch["inputs"].sharding.spec == jax.P(("data", "fsdp"), None)
+  assert batch["adv"].sharding.spec == jax.P(("data", "fsdp"))
+  assert batch["inputs"].addressable_shards[0].data.shape == (N // 4, P + R - 1)
+  np.testing.assert_array_equal(np.asarray(batch["targets"]), setup["batch"]["targets"])
+  # Rows that do not divide over data x fsdp fall back to the axes that do (here data only).
+  odd = sharding.shard_batch({"x": np.arange(6)}, mesh)
+  assert odd["x"].sharding.spec == jax.P("data")
+  assert sharding.process_rows(16) == slice(0, 16)
+  # constrain_batch pins inside jit on the ambient mesh and is a no-op without one.
+  x = jnp.ones((8, 3))
+  assert sharding.constrain_batch(x) is x
+
+  @jax.jit
+  def f(x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sharding.constrain_batch(x) * 2
+
+  assert f(jax.device_put(x, sharding.replicated(mesh))).sharding.spec == jax.P(("data", "fsdp"))
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_update_matches_one_device(setup, shape):
+  mesh = mesh_of(shape)
+  shardings = sharding.state_shardings(setup["host_state"], mesh)
+  state = jax.device_put(setup["host_state"], shardings)
+  batch = sharding.shard_batch(setup["batch"], mesh)
+  update = sharding.jit_update(
+    setup["update_fn"], shardings, sharding.batch_shardings(setup["batch"], mesh)
+  )
+  wq_before = state.params["layers"]["wq"][...]
+  new, metrics = update(state, batch, setup["key"])
+  assert wq_before.is_deleted()  # the state was donated
+  want_state, want_metrics = setup["want"]
+  for k in ("loss/total", "optim/grad_norm", "trust/masked_frac"):
+    np.testing.assert_allclose(np.asarray(metrics[k]), want_metrics[k], rtol=1e-4, atol=1e-6)
+  # Parameters and Adam's moments (functions of the gradients) agree leaf by leaf, up to float
+  # summation order (relative to each leaf's scale: small gradient entries cancel).
+  got, ref = jax.device_get(new), want_state
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)) + 1e-7
+  assert int(new.step) == 4
+  # The new state keeps its layout: params and Adam moments by logical axes, counts replicated.
+  adam = new.opt_state[1][0]
+  for tree in (new.params, adam.mu, adam.nu):
+    assert tree["layers"]["w_up"][...].sharding == shardings.params["layers"]["w_up"].get_value()
+  shard = {(8, 1, 1): (2, 64, 128), (2, 2, 2): (2, 32, 64), (1, 2, 4): (2, 32, 32)}[shape]
+  assert new.params["layers"]["w_up"][...].addressable_shards[0].data.shape == shard
+  assert adam.count.sharding.is_fully_replicated and new.step.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_sharded_sampler_gives_identical_tokens(setup, shape):
+  mesh = mesh_of(shape)
+  params = setup["host_state"].params
+  shardings = sharding.state_shardings(setup["host_state"], mesh).params
+  sample = sharding.jit_sampler(setup["graphdef"], SAMPLING, shardings, N)
+  out = sample(jax.device_put(params, shardings), setup["p_tok"], setup["p_mask"], setup["key"])
+  want = setup["want_sample"]
+  np.testing.assert_array_equal(np.asarray(out.tokens), want.tokens)
+  np.testing.assert_array_equal(np.asarray(out.mask), want.mask)
+  np.testing.assert_array_equal(np.asarray(out.topk_ids), want.topk_ids)
+  np.testing.assert_allclose(np.asarray(out.logprobs), want.logprobs, atol=1e-5)
+  assert out.tokens.sharding.spec[0] == ("data", "fsdp")
+  assert want.mask.sum() > N  # the comparison covers several tokens per row
+
+
+def test_checkpoint_saved_on_one_mesh_restores_on_another(setup, tmp_path):
+  host = setup["host_state"]
+  src_mesh, dst_mesh = mesh_of((2, 2, 2)), mesh_of((1, 2, 4))
+  state = jax.device_put(host, sharding.state_shardings(host, src_mesh))
+  mngr = checkpointing.make_manager(str(tmp_path / "ckpt"))
+  checkpointing.save(mngr, 7, state, {"iteration": 7}, wait=True)
+
+  for mesh in (dst_mesh, mesh_of((1, 8, 1))):
+    shardings = sharding.state_shardings(host, mesh)
+    target = sharding.abstract_like(host, shardings)
+    step, restored, meta = checkpointing.restore_latest(mngr, target)
+    assert (step, meta["iteration"]) == (7, 7)
+    for a, b, s in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(host), jax.tree.leaves(shardings), strict=True
+    ):
+      assert a.sharding == s
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  wq = restored.params["layers"]["wq"][...]
+  assert wq.addressable_shards[0].data.shape == (2, 64 // 8, 4, 16)
