@@ -49,19 +49,17 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, int,
     if size == 0 or size < -1:
       raise ValueError(f"mesh.{name}={size}: sizes must be positive or -1 (the rest)")
     sizes.append(size)
+  named = dict(zip(MESH_AXES, sizes, strict=True))
   if sizes.count(-1) > 1:
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
+    raise ValueError(f"mesh {named}: at most one axis may be -1")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(
-        f"mesh {dict(zip(MESH_AXES, sizes))}: {num_devices} devices are not divisible by {known}"
-      )
+      raise ValueError(f"mesh {named}: {num_devices} devices are not divisible by {known}")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise ValueError(
-      f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, found {num_devices}"
-    )
+    named = dict(zip(MESH_AXES, sizes, strict=True))
+    raise ValueError(f"mesh {named} needs {math.prod(sizes)} devices, found {num_devices}")
   return tuple(sizes)
 
 
@@ -186,8 +184,8 @@ def to_host(tree: Any) -> Any:
 
 
 def constrain_batch(tree: Any) -> Any:
-  """Pins batch-major activations to data x fsdp on the ambient mesh (`jax.set_mesh` or, inside jit, `use_abstract_mesh`); a no-op
-  without one, so model-side code may call it unconditionally."""
+  """Pins batch-major activations to data x fsdp on the ambient mesh (`jax.set_mesh`, or inside
+  jit `jax.sharding.use_abstract_mesh`); a no-op without one, so code may call it always."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
     return tree

@@ -16,7 +16,7 @@ SAMPLING = sampler.SamplingParams(max_new_tokens=6, temperature=1.0, stop_ids=(2
 
 
 def mesh_of(shape):
-  return sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)))
+  return sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape, strict=True)))
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,7 @@ def setup():
   host_state = jax.device_get(state)
   key = jax.random.PRNGKey(3)
   want = jax.device_get(jax.jit(update_fn)(state, batch, key))
-  want_sample = jax.device_get(
-    sampler.sample_jit(graphdef, params, p_tok, p_mask, key, SAMPLING)
-  )
+  want_sample = jax.device_get(sampler.sample_jit(graphdef, params, p_tok, p_mask, key, SAMPLING))
   return dict(
     cfg=cfg, graphdef=graphdef, update_fn=update_fn, host_state=host_state, batch=batch,
     key=key, want=want, p_tok=p_tok, p_mask=p_mask, want_sample=want_sample,
