@@ -1,0 +1,95 @@
+"""Per-device memory of the compiled, FSDP-sharded GPPO update on 1, 2, 4 and 8 devices.
+
+Compiles (never runs) the trainer's update (`train_step.make_update_fn` through
+`sharding.jit_update`) for abstract inputs on meshes data=1 x fsdp=N x tensor=1 of simulated CPU
+devices and reads XLA's `memory_analysis()`: argument bytes (parameters + Adam state + batch, what
+FSDP should cut to ~1/N) and temporaries (activations, gradients). Also prints the exact per-device
+bytes of parameters + optimizer state from the shardings. Ratios are against N = 1 in the same run.
+
+  python benchmarks/sharding.py [--hidden 512 --layers 4 --vocab 8192 --devices 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from gppo_jax import config_lib, plan, sharding  # noqa: E402
+from gppo_jax import model as model_lib  # noqa: E402
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--hidden", type=int, default=512)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--vocab", type=int, default=8192)
+  ap.add_argument("--sequences", type=int, default=32)
+  ap.add_argument("--prompt_len", type=int, default=32)
+  ap.add_argument("--resp_len", type=int, default=32)
+  ap.add_argument("--devices", default="1,2,4,8")
+  a = ap.parse_args()
+
+  d = a.hidden
+  cfg = model_lib.ModelConfig(
+    vocab_size=a.vocab, hidden_size=d, intermediate_size=3 * d, num_layers=a.layers,
+    num_heads=d // 64, num_kv_heads=max(1, d // 128), head_dim=64,
+  )  # fmt: skip
+  config = config_lib.base()
+  config.rollout.prompts_per_iter = a.sequences // 8
+  config.rollout.group_size = 8
+  config.train.minibatches = 2
+  update_fn, state, spec = plan.update_setup(config, cfg, a.prompt_len, a.resp_len)
+  batch = plan.abstract_batch(a.sequences, a.prompt_len, a.resp_len, spec, 0)
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+
+  rows = []
+  for n in (int(x) for x in a.devices.split(",")):
+    mesh = sharding.make_mesh({"data": 1, "fsdp": n, "tensor": 1}, jax.devices()[:n])
+    sh = sharding.state_shardings(state, mesh)
+    resident = plan.per_device_bytes(state.params, sh.params)
+    resident += plan.per_device_bytes(state.opt_state, sh.opt_state)
+    t0 = time.time()
+    stats = plan.compiled_update_memory(update_fn, state, batch, mesh)
+    rows.append(
+      dict(
+        devices=n,
+        state_bytes=resident,
+        argument_bytes=int(stats.argument_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        compile_s=round(time.time() - t0, 1),
+      )
+    )
+
+  base = rows[0]
+  print(
+    f"model: {n_params / 1e6:.1f}M params (hidden {d}, {a.layers} layers, vocab {a.vocab}); "
+    f"rollout {a.sequences} x ({a.prompt_len} + {a.resp_len}); mesh data=1 x fsdp=N"
+  )
+  print(f"{'N':>3} {'state MiB':>10} {'x N':>6} {'args MiB':>10} {'x N':>6} {'temp MiB':>10} "
+        f"{'x N':>6} {'ideal':>6}")  # fmt: skip
+  mib = 1024**2
+  for r in rows:
+    n = r["devices"]
+    for key in ("state", "argument", "temp"):
+      r[f"{key}_ratio"] = r[f"{key}_bytes"] / base[f"{key}_bytes"]
+    print(
+      f"{n:>3} {r['state_bytes'] / mib:>10.2f} {r['state_ratio'] * n:>6.2f} "
+      f"{r['argument_bytes'] / mib:>10.2f} {r['argument_ratio'] * n:>6.2f} "
+      f"{r['temp_bytes'] / mib:>10.2f} {r['temp_ratio'] * n:>6.2f} {1 / n:>6.3f}"
+    )
+  print("(x N = per-device bytes / N=1 bytes, times N: 1.00 is a perfect 1/N split)")
+  print(json.dumps({"benchmark": "sharding", "params": n_params, "rows": rows}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,380 @@
+"""Memory plan: will a config fit a mesh of devices? Sized before paying for the pod.
+
+  python -m gppo_jax.plan --config=configs/qwen25_math_7b.py:v5p64 [--mesh=fsdp=32,tensor=1]
+      [--platform=v5p | --device_memory_gb=95] [--analytic]
+
+Prints per-device memory of parameters, optimizer state, rollout batch, sampler KV cache and the
+update's activations (XLA's temporaries), and whether the peak fits the device memory. The numbers
+come from compiling the real jitted update for abstract inputs (`jax.ShapeDtypeStruct`, nothing is
+allocated) on simulated CPU devices, one per mesh position: XLA's CPU buffer assignment stands in
+for the accelerator's, so treat activations as an estimate (+-30%). `--analytic` skips the compile
+and uses a closed-form activation estimate instead (also the fallback if compiling fails).
+Parameters, optimizer state and KV cache are exact from the shardings either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gppo_jax import model as model_lib
+from gppo_jax import sharding, train_step
+
+log = logging.getLogger(__name__)
+
+# HBM per chip / GPU, GiB (what jax reports as usable is slightly less).
+PLATFORM_MEMORY_GB = {
+  "v4": 32,
+  "v5e": 16,
+  "v5p": 95,
+  "v6e": 32,
+  "a100": 80,
+  "h100": 80,
+  "h200": 141,
+  "b200": 180,
+  "cpu": 16,
+}
+GIB = 1024**3
+_REEXEC = "_GPPO_PLAN_SIMULATED"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+  """Per-device bytes of each part of a training step on one mesh."""
+
+  mesh: dict[str, int]
+  num_params: int
+  params: int
+  optimizer: int
+  batch: int
+  kv_cache: int
+  activations: int  # the update's temporaries (XLA temp_size) or the analytic estimate
+  update_peak: int  # resident state + batch + activations while updating
+  sample_peak: int  # resident state + KV cache + decode logits while sampling
+  device_memory: int
+  source: str  # "compiled" | "analytic"
+  notes: tuple[str, ...] = ()
+
+  @property
+  def peak(self) -> int:
+    return max(self.update_peak, self.sample_peak)
+
+  @property
+  def fits(self) -> bool:
+    return self.peak <= self.device_memory
+
+  def as_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d.update(peak=self.peak, fits=self.fits, notes=list(self.notes))
+    return d
+
+
+# --- Shapes from a config ----------------------------------------------------------------------
+
+
+def model_config(config) -> tuple[model_lib.ModelConfig, str]:
+  """(ModelConfig, where from): model.path's config.json if the folder exists, else the preset."""
+  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  path = config.model.get("path")
+  if path and os.path.isfile(os.path.join(path, "config.json")):
+    with open(os.path.join(path, "config.json")) as f:
+      return model_lib.config_from_hf(json.load(f), **overrides), f"{path}/config.json"
+  return model_lib.get_preset(config.model.preset, **overrides), f"preset {config.model.preset!r}"
+
+
+def rollout_shape(config) -> tuple[int, int, int]:
+  """(sequences N, prompt length P, response length R) of one rollout batch."""
+  r = config.rollout
+  n = r.prompts_per_iter * r.group_size
+  if config.data.get("train_path") is None and config.model.get("path") is None:
+    from gppo_jax import tasks
+
+    task = tasks.get(config.task.name)
+    return n, task.max_prompt_len + 1, min(r.max_new_tokens, task.max_answer_len + 1)
+  p = -(-config.data.max_prompt_tokens // 64) * 64  # DataEnv's bucket
+  return n, p, r.max_new_tokens
+
+
+def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp_len: int):
+  """(update_fn, abstract TrainState, UpdateSpec) exactly as the trainer builds them."""
+  graphdef = model_lib.abstract_graphdef(model_cfg)
+  abstract_params = nnx.state(
+    nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  )
+  o, u = config.optim, config.train
+  tx = train_step.make_optimizer(
+    lr=o.lr,
+    total_steps=max(1, config.iterations * u.epochs * u.minibatches),
+    warmup_steps=o.warmup_steps,
+    schedule=o.schedule,
+    weight_decay=o.weight_decay,
+    b1=o.b1,
+    b2=o.b2,
+    grad_clip=o.grad_clip,
+  )
+  state = train_step.TrainState(
+    params=abstract_params,
+    opt_state=jax.eval_shape(tx.init, abstract_params),
+    step=jax.ShapeDtypeStruct((), jnp.int32),
+  )
+  spec = train_step.UpdateSpec(
+    prompt_len=prompt_len,
+    epochs=u.epochs,
+    minibatches=u.minibatches,
+    microbatches=u.microbatches,
+    temperature=config.rollout.temperature,
+    entropy_coef=config.loss.entropy_coef,
+    kl_coef=config.loss.kl_coef,
+    use_topk=config.loss.estimator == "topk",
+  )
+  loss_kwargs = dict(
+    divergence=config.loss.divergence,
+    estimator=config.loss.estimator,
+    delta_low=config.loss.delta_low,
+    delta_high=config.loss.delta_high,
+    aggregation=config.loss.aggregation,
+    max_len=config.loss.max_len or resp_len,
+    ratio_cap=config.loss.ratio_cap,
+    dual_clip=config.loss.dual_clip,
+  )
+  return train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), state, spec
+
+
+def abstract_batch(n: int, prompt_len: int, resp_len: int, spec, num_topk: int) -> dict:
+  """ShapeDtypeStructs of the rollout batch train.py feeds to the update."""
+  seq = prompt_len + resp_len - 1
+  s = jax.ShapeDtypeStruct
+  batch = {k: s((n, seq), jnp.int32) for k in ("inputs", "targets", "positions")}
+  batch["attn"] = s((n, seq), jnp.bool_)
+  batch.update(logq=s((n, resp_len), jnp.float32), mask=s((n, resp_len), jnp.bool_))
+  batch["adv"] = s((n,), jnp.float32)
+  if spec.kl_coef > 0:
+    batch["ref_logp"] = s((n, resp_len), jnp.float32)
+  if spec.use_topk:
+    batch["topk_logq"] = s((n, resp_len, num_topk), jnp.float32)
+    batch["topk_ids"] = s((n, resp_len, num_topk), jnp.int32)
+  return batch
+
+
+# --- Accounting --------------------------------------------------------------------------------
+
+
+def per_device_bytes(tree: Any, shardings: Any) -> int:
+  """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `shardings`."""
+  total = 0
+  for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+    shard = s.shard_shape(tuple(x.shape))
+    total += math.prod(shard) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def kv_cache_bytes(cfg: model_lib.ModelConfig, mesh, batch: int, length: int) -> int:
+  """Per-device bytes of the sampler's KV cache, batch over data x fsdp, kv heads over tensor."""
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = -(-batch // dp) if batch % dp == 0 else batch
+  heads = cfg.num_kv_heads
+  if heads % mesh.shape["tensor"] == 0:
+    heads //= mesh.shape["tensor"]
+  item = np.dtype(cfg.compute_dtype).itemsize
+  return 2 * cfg.num_layers * rows * length * heads * cfg.head_dim * item
+
+
+def analytic_activation_bytes(cfg: model_lib.ModelConfig, mesh, spec, n: int, seq: int) -> int:
+  """Closed-form estimate of the update's temporaries per device (remat-aware, chunked head).
+
+  One micro-batch: saved layer inputs (all layers with remat, every intermediate without), one
+  layer's working set, the chunked log-prob head, and a gradient-sized accumulator.
+  """
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  tp = mesh.shape["tensor"]
+  rows = max(1, n // (spec.minibatches * spec.microbatches) // dp)
+  item = np.dtype(cfg.compute_dtype).itemsize
+  d, f, h, k, dh = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+  )
+  tokens = rows * seq
+  layer_work = tokens * (4 * d + 3 * f // tp + 2 * (h + 2 * k) * dh // tp) * item
+  attn_scores = rows * (h // tp if h % tp == 0 else h) * seq * seq * 4
+  saved = tokens * d * item * cfg.num_layers
+  if cfg.remat == "none":
+    saved = cfg.num_layers * (layer_work + attn_scores)
+  head = rows * min(128, seq) * cfg.vocab_size * 4 * 3
+  params_f32 = sum(
+    math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+      lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))))
+  )  # fmt: skip
+  grads = (
+    params_f32 * np.dtype(cfg.params_dtype).itemsize // (mesh.size // max(1, mesh.shape["data"]))
+  )
+  return int(saved + layer_work + attn_scores + head + 2 * grads)
+
+
+def compiled_update_memory(update_fn, state, batch, mesh) -> Any:
+  """XLA's memory analysis of the sharded update compiled for abstract inputs on `mesh`."""
+  shardings = sharding.state_shardings(state, mesh)
+  batch_sh = sharding.batch_shardings(batch, mesh)
+  jitted = sharding.jit_update(update_fn, shardings, batch_sh)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  return jitted.lower(state, batch, key).compile().memory_analysis()
+
+
+def plan(
+  config,
+  mesh_cfg: Mapping[str, int] | None = None,
+  *,
+  device_memory_gb: float = PLATFORM_MEMORY_GB["v5p"],
+  compile: bool = True,
+  devices: Any = None,
+) -> MemoryPlan:
+  """The memory plan of `config` on a mesh (default: config.mesh over `devices` / all devices)."""
+  mesh = sharding.make_mesh(dict(mesh_cfg or config.mesh), devices)
+  cfg, _ = model_config(config)
+  n, p, r = rollout_shape(config)
+  update_fn, state, spec = update_setup(config, cfg, p, r)
+  batch = abstract_batch(n, p, r, spec, config.rollout.num_topk)
+  sh = sharding.state_shardings(state, mesh)
+  params = per_device_bytes(state.params, sh.params)
+  optimizer = per_device_bytes(state.opt_state, sh.opt_state)
+  batch_bytes = per_device_bytes(batch, sharding.batch_shardings(batch, mesh))
+  notes = []
+  if config.loss.kl_coef > 0:
+    notes.append("kl_coef > 0: a frozen reference copy of the parameters is counted in params")
+    params *= 2
+  resident = params + optimizer
+  kv = kv_cache_bytes(cfg, mesh, n, p + r)
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
+  source = "analytic"
+  activations = analytic_activation_bytes(cfg, mesh, spec, n, p + r - 1)
+  update_peak = resident + batch_bytes + activations
+  if compile:
+    try:
+      stats = compiled_update_memory(update_fn, state, batch, mesh)
+      activations = int(stats.temp_size_in_bytes)
+      live_args = (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+      )
+      update_peak = (resident - per_device_bytes(state, sh)) + int(live_args) + activations
+      source = "compiled"
+    except Exception as e:  # a compile failure still leaves the analytic plan useful
+      notes.append(f"compile failed ({type(e).__name__}: {str(e)[:200]}); analytic estimate")
+  return MemoryPlan(
+    mesh=dict(mesh.shape),
+    num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+    params=params,
+    optimizer=optimizer,
+    batch=batch_bytes,
+    kv_cache=kv,
+    activations=activations,
+    update_peak=update_peak,
+    sample_peak=resident + kv + decode_logits,
+    device_memory=int(device_memory_gb * GIB),
+    source=source,
+    notes=tuple(notes),
+  )
+
+
+def format_plan(p: MemoryPlan, title: str = "") -> str:
+  def g(b: int) -> str:
+    return f"{b / GIB:8.2f} GiB" if b >= GIB // 10 else f"{b / 1024**2:8.2f} MiB"
+
+  rows = [
+    ("parameters", p.params),
+    ("optimizer state", p.optimizer),
+    ("rollout batch", p.batch),
+    ("sampler KV cache", p.kv_cache),
+    (f"update activations ({p.source})", p.activations),
+    ("peak while updating", p.update_peak),
+    ("peak while sampling", p.sample_peak),
+  ]
+  mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
+  lines = [title] if title else []
+  lines.append(
+    f"mesh {mesh} ({math.prod(p.mesh.values())} devices), {p.num_params / 1e9:.3f}B params"
+  )
+  lines += [f"  {name:<34}{g(b)}" for name, b in rows]
+  verdict = "FITS" if p.fits else "DOES NOT FIT"
+  lines.append(
+    f"  {verdict}: peak {p.peak / GIB:.2f} GiB of {p.device_memory / GIB:.0f} GiB per device"
+  )
+  lines += [f"  note: {n}" for n in p.notes]
+  return "\n".join(lines)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """'fsdp=8,tensor=1' -> {'fsdp': 8, 'tensor': 1, 'data': 1} (unnamed axes are 1)."""
+  out = {"data": 1, "fsdp": 1, "tensor": 1}
+  for part in filter(None, (s.strip() for s in text.split(","))):
+    name, eq, value = part.partition("=")
+    if not eq or name not in out:
+      raise ValueError(f"--mesh part {part!r}: expected NAME=SIZE with NAME in {list(out)}")
+    out[name] = int(value)
+  return out
+
+
+def main(argv) -> None:
+  from absl import flags
+
+  f = flags.FLAGS
+  config = f.config
+  mesh_cfg = parse_mesh(f.mesh) if f.mesh else dict(config.mesh)
+  if f.device_memory_gb is not None:
+    memory = f.device_memory_gb
+  elif f.platform in PLATFORM_MEMORY_GB:
+    memory = PLATFORM_MEMORY_GB[f.platform]
+  else:
+    raise ValueError(f"--platform={f.platform!r}; valid: {sorted(PLATFORM_MEMORY_GB)}")
+  needed = f.num_devices or math.prod(v for v in mesh_cfg.values() if v > 0)
+  if -1 in mesh_cfg.values() and not f.num_devices:
+    needed = len(jax.devices())
+  devices = jax.devices()
+  if len(devices) < needed:
+    if os.environ.get(_REEXEC) or jax.default_backend() != "cpu":
+      raise SystemExit(f"mesh {mesh_cfg} needs {needed} devices but jax sees {len(devices)}")
+    # Simulated CPU devices must be requested before jax starts: rerun this command with them.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_REEXEC: "1"})
+    env["XLA_FLAGS"] = (
+      env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={needed}"
+    )
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "gppo_jax.plan", *sys.argv[1:]], env)
+  devices = devices[:needed]
+  cfg, source = model_config(config)
+  result = plan(config, mesh_cfg, device_memory_gb=memory, compile=not f.analytic, devices=devices)
+  n, p, r = rollout_shape(config)
+  title = (
+    f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {cfg.remat}; rollout {n} x ({p} + {r})"
+    f" tokens; {config.train.minibatches} minibatches x {config.train.microbatches} micro; "
+    f"{f.platform} {memory} GiB"
+  )
+  print(format_plan(result, title))
+  print(json.dumps(result.as_dict()))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:arg]).")
+  flags.DEFINE_string("mesh", None, "Mesh sizes, e.g. fsdp=8,tensor=1 (default: config.mesh).")
+  flags.DEFINE_integer("num_devices", None, "Devices to simulate when the mesh has a -1.")
+  flags.DEFINE_string("platform", "v5p", f"Device kind: {', '.join(PLATFORM_MEMORY_GB)}.")
+  flags.DEFINE_float("device_memory_gb", None, "Memory per device (default: the platform's).")
+  flags.DEFINE_bool("analytic", False, "Skip compiling; closed-form activation estimate.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
