@@ -310,7 +310,7 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
   lines += [f"  {name:<34}{g(b)}" for name, b in rows]
   verdict = "FITS" if p.fits else "DOES NOT FIT"
   lines.append(
-    f"  {verdict}: peak {p.peak / GIB:.2f} GiB of {p.device_memory / GIB:.0f} GiB per device"
+    f"  {verdict}: peak {g(p.peak).strip()} of {p.device_memory / GIB:.0f} GiB per device"
   )
   lines += [f"  note: {n}" for n in p.notes]
   return "\n".join(lines)
