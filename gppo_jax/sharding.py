@@ -36,6 +36,11 @@ MESH_AXES = partitioning.MESH_AXES  # ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # Set to 1/true by the launch scripts on multi-host slices (see launch/README.md).
 DISTRIBUTED_ENV = "GPPO_DISTRIBUTED"
+_DISTRIBUTED_VARS = (
+  ("JAX_COORDINATOR_ADDRESS", "coordinator_address", str),
+  ("JAX_NUM_PROCESSES", "num_processes", int),
+  ("JAX_PROCESS_ID", "process_id", int),
+)
 
 
 # --- Mesh --------------------------------------------------------------------------------------
@@ -75,8 +80,9 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
   """Calls `jax.distributed.initialize()` when GPPO_DISTRIBUTED=1 is set (the launch scripts set
   it on every worker of a multi-host slice). Returns whether it did.
 
-  On Cloud TPU the coordinator, process count and id are discovered automatically; elsewhere set
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (read by JAX itself).
+  On Cloud TPU (and SLURM / Open MPI) the coordinator, process count and id are discovered
+  automatically; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of process 0),
+  JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
   """
   environ = os.environ if environ is None else environ
   flag = environ.get(DISTRIBUTED_ENV, "").strip().lower()
@@ -84,7 +90,11 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
     return False
   if flag not in ("1", "true", "yes"):
     raise ValueError(f"{DISTRIBUTED_ENV}={flag!r}; use 1 (initialize) or 0 (single process)")
-  jax.distributed.initialize()
+  kwargs: dict[str, Any] = {}
+  for env, arg, cast in _DISTRIBUTED_VARS:
+    if environ.get(env):
+      kwargs[arg] = cast(environ[env])
+  jax.distributed.initialize(**kwargs)
   log.info(
     "jax.distributed: process %d of %d, %d local / %d global devices",
     jax.process_index(),

@@ -73,12 +73,16 @@ def test_make_mesh_resolves_the_rest_and_rejects_bad_sizes():
 
 def test_distributed_initialize_only_when_asked(monkeypatch):
   calls = []
-  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append(1))
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
   assert not sharding.maybe_initialize_distributed({})
   assert not sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "0"})
   assert calls == []
   assert sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "1"})
-  assert calls == [1]
+  env = {"GPPO_DISTRIBUTED": "true", "JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}
+  env.update(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+  assert sharding.maybe_initialize_distributed(env)
+  want = dict(coordinator_address="10.0.0.2:1234", num_processes=2, process_id=1)
+  assert calls == [{}, want]
   with pytest.raises(ValueError, match="GPPO_DISTRIBUTED='maybe'"):
     sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "maybe"})
 
