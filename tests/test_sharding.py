@@ -232,3 +232,45 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
   assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
   assert report["device_memory"] == 16 * 1024**3 and report["fits"]
   assert "FITS: peak" in out.stdout
+
+
+FAKE_GCLOUD = """#!/usr/bin/env bash
+printf '%s\n---\n' "$*" >> "$GCLOUD_CALLS"
+case "$*" in
+  *"tpu-vm describe"*) echo 4 ;;
+  *"queued-resources describe"*) echo ACTIVE ;;
+esac
+"""
+
+
+def test_launch_scripts_parse_and_drive_gcloud(tmp_path):
+  scripts = [os.path.join(REPO, "launch", n) for n in ("tpu_vm.sh", "gpu_host.sh")]
+  for script in scripts:
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    assert "set -euo pipefail" in text
+    out = subprocess.run([script], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2 and "usage:" in out.stderr
+  out = subprocess.run([scripts[1], "run", "--process_id", "1", "--config", "c.py"], cwd=REPO,
+                       capture_output=True, text=True)  # fmt: skip
+  assert out.returncode == 2 and "needs all of --coordinator" in out.stderr
+
+  # A stand-in gcloud records the calls: the full create..delete cycle, no network contacted.
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+  (bin_dir / "gcloud").chmod(0o755)
+  calls = tmp_path / "calls.txt"
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GCLOUD_CALLS=str(calls))
+  cmd = [scripts[0], "all", "--name", "t1", "--zone", "us-east5-a", "--accelerator", "v5p-64",
+         "--queued", "--config", "configs/qwen25_math_7b.py:v5p64", "--workdir", "gs://b/run",
+         "--logs_dir", str(tmp_path / "logs"), "--", "--config.iterations=3"]  # fmt: skip
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  lines = calls.read_text().split("\n---\n")[:-1]
+  assert lines[0].startswith("compute tpus queued-resources create t1-qr --zone=us-east5-a")
+  assert "--runtime-version=v2-alpha-tpuv5" in lines[0] and "--node-id=t1" in lines[0]
+  run = next(x for x in lines if "gppo_jax.train" in x)
+  assert "--worker=all" in run and "GPPO_DISTRIBUTED=1" in run
+  assert "--config='configs/qwen25_math_7b.py:v5p64'" in run and "--config.iterations=3" in run
+  assert lines[-1].startswith("compute tpus queued-resources delete t1-qr")
