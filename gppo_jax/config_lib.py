@@ -39,11 +39,12 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   args = parse_arg(arg)
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.iterations = 120  # RL iterations: rollout + update each.
+  c.iterations = 200  # RL iterations: rollout + update each.
   c.log_every = 1
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = args.get("task", "arith_mix")  # built-in task, used when data.train_path is None
+  # Built-in task (gppo_jax.tasks.TASKS), used when data.train_path is None.
+  c.task.name = args.get("task", "add_rev3")
 
   # Real data (JSONL / Parquet files); see README "Data files".
   c.data = ml_collections.ConfigDict()
@@ -71,7 +72,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.warmstart.enabled = True
   c.warmstart.target_accuracy = 0.30
   c.warmstart.max_steps = 3000
-  c.warmstart.eval_every = 25
+  c.warmstart.eval_every = 10
   c.warmstart.eval_size = 256
   c.warmstart.batch_size = 128
   c.warmstart.lr = 3e-3
@@ -123,7 +124,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.microbatches = 1
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 20
+  c.eval.every = 25
   c.eval.num_problems = 512
   c.eval.k = 4  # samples per problem for avg@k / pass@k
   c.eval.temperature = 1.0

@@ -186,6 +186,12 @@ TASKS: dict[str, Task] = {
     [1.0],
     "3-digit addition, normal order",
   ),
+  "add_rev34": _mixture(
+    "add_rev34",
+    [Arithmetic(3, 2, "+", True, 1), Arithmetic(4, 2, "+", True, 2)],
+    [0.5, 0.5],
+    "3- and 4-digit addition, answers reversed (two difficulty levels; the default)",
+  ),
   "add_mix": _mixture(
     "add_mix",
     [

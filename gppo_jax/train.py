@@ -148,33 +148,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   stop_ids = tuple(model_cfg.eos_token_ids)
   pad_id = model_cfg.pad_token_id
   r, u = config.rollout, config.train
-  steps_per_iter = u.epochs * u.minibatches
-  tx = train_step.make_optimizer(
-    lr=config.optim.lr,
-    total_steps=config.iterations * steps_per_iter,
-    warmup_steps=config.optim.warmup_steps,
-    schedule=config.optim.schedule,
-    weight_decay=config.optim.weight_decay,
-    b1=config.optim.b1,
-    b2=config.optim.b2,
-    grad_clip=config.optim.grad_clip,
-  )
+  tx = train_step.optimizer_from_config(config)
   state = train_step.TrainState(
     params=init_params, opt_state=tx.init(init_params), step=jnp.zeros((), jnp.int32)
   )
   sampling = sampling_params(config, env, stop_ids=stop_ids, pad_id=pad_id)
   resp_len = sampling.max_new_tokens
   prompt_len = env.max_prompt_len
-  loss_kwargs = dict(
-    divergence=config.loss.divergence,
-    estimator=config.loss.estimator,
-    delta_low=config.loss.delta_low,
-    delta_high=config.loss.delta_high,
-    aggregation=config.loss.aggregation,
-    max_len=config.loss.max_len or resp_len,
-    ratio_cap=config.loss.ratio_cap,
-    dual_clip=config.loss.dual_clip,
-  )
+  loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
   spec = train_step.UpdateSpec(
     prompt_len=prompt_len,
     epochs=u.epochs,
@@ -389,7 +370,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   graphdef, params, _, env, _ = build_policy(config, say=lambda t: log.info(t))
   if which == "latest":
     mngr = checkpointing.make_manager(os.path.join(workdir, "checkpoints"))
-    tx = train_step.make_optimizer(lr=config.optim.lr, total_steps=1)
+    tx = train_step.optimizer_from_config(config)
     state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     step, restored, _ = checkpointing.restore_latest(mngr, abstract)

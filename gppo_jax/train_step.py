@@ -73,6 +73,36 @@ def make_optimizer(
   return optax.chain(*parts)
 
 
+def optimizer_from_config(config) -> optax.GradientTransformation:
+  """The optimizer a training config describes (config.optim, schedule over all update steps)."""
+  o = config.optim
+  return make_optimizer(
+    lr=o.lr,
+    total_steps=config.iterations * config.train.epochs * config.train.minibatches,
+    warmup_steps=o.warmup_steps,
+    schedule=o.schedule,
+    weight_decay=o.weight_decay,
+    b1=o.b1,
+    b2=o.b2,
+    grad_clip=o.grad_clip,
+  )
+
+
+def loss_kwargs_from_config(config, response_len: int) -> dict[str, Any]:
+  """Keyword arguments of `objective.policy_loss` from config.loss."""
+  l = config.loss
+  return dict(
+    divergence=l.divergence,
+    estimator=l.estimator,
+    delta_low=l.delta_low,
+    delta_high=l.delta_high,
+    aggregation=l.aggregation,
+    max_len=l.max_len or response_len,
+    ratio_cap=l.ratio_cap,
+    dual_clip=l.dual_clip,
+  )
+
+
 def build_sequences(
   prompt_tokens: np.ndarray,
   prompt_mask: np.ndarray,

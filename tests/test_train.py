@@ -164,6 +164,12 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   assert "4" in os.listdir(os.path.join(wd, "checkpoints"))
   # The resumed optimizer step count continues from the checkpoint.
   assert lines2[-1]["optim/steps"] == 4 * c.train.epochs * c.train.minibatches
+  # `python -m gppo_jax.evaluate` reads the latest checkpoint and reports the decoding settings.
+  report = train.evaluate_checkpoint(c, wd)
+  assert report["num_problems"] == c.eval.num_problems
+  assert report["decoding"]["k"] == c.eval.k and 0.0 <= report["eval/accuracy"] <= 1.0
+  assert f"eval/pass@{c.eval.k}" in report
+  np.testing.assert_allclose(report["eval/accuracy"], summary2["final_eval"]["eval/accuracy"])
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +188,12 @@ def test_policy_learns_on_a_tiny_task(tmp_path, learning_cache, divergence, esti
   c.warmstart.max_steps = 400
   c.warmstart.eval_every = 20
   c.warmstart.lr = 1e-2
-  c.iterations = 12
+  c.iterations = 24
   c.rollout.prompts_per_iter = 32
   c.rollout.group_size = 8
   c.train.minibatches = 2
-  c.optim.lr = 3e-3
-  c.eval.every = 12
+  c.optim.lr = 1e-3
+  c.eval.every = 24
   c.eval.k = 0
   c.checkpoint.every = 100
   wd = str(tmp_path / "run")
@@ -197,7 +203,7 @@ def test_policy_learns_on_a_tiny_task(tmp_path, learning_cache, divergence, esti
     for x in open(os.path.join(wd, "metrics.jsonl"))
     if "reward/mean" in x
   ]
-  start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+  start, end = np.mean(rewards[:4]), np.mean(rewards[-4:])
   assert end > start + 0.1, (rewards, summary)
   late = [
     json.loads(x).get("trust/masked_frac_late", 0.0)
