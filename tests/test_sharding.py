@@ -161,6 +161,18 @@ def test_sharded_sampler_gives_identical_tokens(setup, shape):
   assert want.mask.sum() > N  # the comparison covers several tokens per row
 
 
+def test_sharded_logprobs_match_one_device(setup):
+  mesh = mesh_of((2, 2, 2))
+  host = setup["host_state"]
+  fn = train_step.make_logprob_fn(setup["graphdef"], prompt_len=P, temperature=1.0)
+  want = np.asarray(fn(host.params, setup["batch"]))
+  shardings = sharding.state_shardings(host, mesh).params
+  sharded = sharding.jit_logprobs(fn, shardings, sharding.batch_shardings(setup["batch"], mesh))
+  got = sharded(jax.device_put(host.params, shardings), sharding.shard_batch(setup["batch"], mesh))
+  assert got.shape == (N, R) and got.sharding.spec[0] == ("data", "fsdp")
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
 def test_checkpoint_saved_on_one_mesh_restores_on_another(setup, tmp_path):
   host = setup["host_state"]
   src_mesh, dst_mesh = mesh_of((2, 2, 2)), mesh_of((1, 2, 4))
