@@ -89,11 +89,10 @@ def build_policy(config, say=print):
 
 
 def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
+  """Rollout sampling settings; responses never exceed what the environment can score."""
   r = config.rollout
   return sampler.SamplingParams(
-    max_new_tokens=min(r.max_new_tokens, env.max_new_tokens)
-    if hasattr(env, "task")
-    else r.max_new_tokens,
+    max_new_tokens=min(r.max_new_tokens, env.max_new_tokens),
     temperature=r.temperature,
     top_p=r.top_p,
     top_k=r.top_k,
@@ -380,6 +379,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   elif which != "init":
     raise ValueError(f"--checkpoint must be 'latest' or 'init', got {which!r}")
   key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9)
+  max_new = sampling_params(config, env, stop_ids=(), pad_id=0).max_new_tokens
   metrics = evaluate.evaluate_policy(
     graphdef,
     params,
@@ -387,7 +387,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
     key,
     k=config.eval.k,
     temperature=config.eval.temperature,
-    max_new_tokens=config.rollout.max_new_tokens,
+    max_new_tokens=max_new,
   )
   env.close()
   return {
@@ -397,7 +397,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
       "greedy": True,
       "k": config.eval.k,
       "temperature": config.eval.temperature,
-      "max_new_tokens": config.rollout.max_new_tokens,
+      "max_new_tokens": max_new,
     },
     **metrics,
   }
