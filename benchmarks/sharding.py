@@ -3,8 +3,10 @@
 Compiles (never runs) the trainer's update (`train_step.make_update_fn` through
 `sharding.jit_update`) for abstract inputs on meshes data=1 x fsdp=N x tensor=1 of simulated CPU
 devices and reads XLA's `memory_analysis()`: argument bytes (parameters + Adam state + batch, what
-FSDP should cut to ~1/N) and temporaries (activations, gradients). Also prints the exact per-device
-bytes of parameters + optimizer state from the shardings. Ratios are against N = 1 in the same run.
+FSDP should cut to ~1/N), temporaries (activations, gathered weights, gradients), and the
+temporaries a doubled batch adds (the activations alone, which the data x fsdp batch split should
+also cut to ~1/N). Also the exact per-device bytes of parameters + optimizer state from the
+shardings. Ratios are against N = 1 in the same run.
 
   python benchmarks/sharding.py [--hidden 512 --layers 4 --vocab 8192 --devices 1,2,4,8]
 """
@@ -37,6 +39,9 @@ def main() -> None:
   ap.add_argument("--prompt_len", type=int, default=32)
   ap.add_argument("--resp_len", type=int, default=32)
   ap.add_argument("--devices", default="1,2,4,8")
+  ap.add_argument(
+    "--no_activations", action="store_true", help="skip the second compile per N (batch growth)"
+  )
   a = ap.parse_args()
 
   d = a.hidden
@@ -50,6 +55,7 @@ def main() -> None:
   config.train.minibatches = 2
   update_fn, state, spec = plan.update_setup(config, cfg, a.prompt_len, a.resp_len)
   batch = plan.abstract_batch(a.sequences, a.prompt_len, a.resp_len, spec, 0)
+  bigger = plan.abstract_batch(2 * a.sequences, a.prompt_len, a.resp_len, spec, 0)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
 
   rows = []
@@ -60,33 +66,35 @@ def main() -> None:
     resident += plan.per_device_bytes(state.opt_state, sh.opt_state)
     t0 = time.time()
     stats = plan.compiled_update_memory(update_fn, state, batch, mesh)
-    rows.append(
-      dict(
-        devices=n,
-        state_bytes=resident,
-        argument_bytes=int(stats.argument_size_in_bytes),
-        temp_bytes=int(stats.temp_size_in_bytes),
-        compile_s=round(time.time() - t0, 1),
-      )
+    row = dict(
+      devices=n,
+      state_bytes=resident,
+      argument_bytes=int(stats.argument_size_in_bytes),
+      temp_bytes=int(stats.temp_size_in_bytes),
     )
+    if not a.no_activations:
+      # Temporaries added by doubling the batch: the activation part, which the batch split
+      # (data x fsdp) should also cut to ~1/N.
+      more = plan.compiled_update_memory(update_fn, state, bigger, mesh)
+      row["activation_bytes"] = int(more.temp_size_in_bytes) - row["temp_bytes"]
+    row["compile_s"] = round(time.time() - t0, 1)
+    rows.append(row)
 
   base = rows[0]
   print(
     f"model: {n_params / 1e6:.1f}M params (hidden {d}, {a.layers} layers, vocab {a.vocab}); "
     f"rollout {a.sequences} x ({a.prompt_len} + {a.resp_len}); mesh data=1 x fsdp=N"
   )
-  print(f"{'N':>3} {'state MiB':>10} {'x N':>6} {'args MiB':>10} {'x N':>6} {'temp MiB':>10} "
-        f"{'x N':>6} {'ideal':>6}")  # fmt: skip
+  keys = ["state", "argument", "temp"] + ([] if a.no_activations else ["activation"])
+  print(f"{'N':>3} " + " ".join(f"{k + ' MiB':>15} {'x N':>5}" for k in keys) + f" {'ideal':>6}")
   mib = 1024**2
   for r in rows:
     n = r["devices"]
-    for key in ("state", "argument", "temp"):
-      r[f"{key}_ratio"] = r[f"{key}_bytes"] / base[f"{key}_bytes"]
-    print(
-      f"{n:>3} {r['state_bytes'] / mib:>10.2f} {r['state_ratio'] * n:>6.2f} "
-      f"{r['argument_bytes'] / mib:>10.2f} {r['argument_ratio'] * n:>6.2f} "
-      f"{r['temp_bytes'] / mib:>10.2f} {r['temp_ratio'] * n:>6.2f} {1 / n:>6.3f}"
-    )
+    cells = []
+    for key in keys:
+      r[f"{key}_ratio"] = r[f"{key}_bytes"] / max(1, base[f"{key}_bytes"])
+      cells.append(f"{r[f'{key}_bytes'] / mib:>15.2f} {r[f'{key}_ratio'] * n:>5.2f}")
+    print(f"{n:>3} " + " ".join(cells) + f" {1 / n:>6.3f}")
   print("(x N = per-device bytes / N=1 bytes, times N: 1.00 is a perfect 1/N split)")
   print(json.dumps({"benchmark": "sharding", "params": n_params, "rows": rows}))
 

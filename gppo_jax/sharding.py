@@ -175,13 +175,19 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
   return jax.tree.map(put, batch_np)
 
 
-def process_rows(num_rows: int) -> slice:
-  """The rows of a global batch of `num_rows` that this process feeds to `shard_batch`."""
-  n, i = jax.process_count(), jax.process_index()
-  if num_rows % n:
-    raise ValueError(f"a batch of {num_rows} rows does not split over {n} processes")
-  per = num_rows // n
-  return slice(i * per, (i + 1) * per)
+def process_rows(num_rows: int, mesh: Mesh) -> slice:
+  """The rows of a global batch of `num_rows` that this process's devices hold under the batch
+  sharding: what this process passes to `shard_batch` when every process has the whole batch."""
+  sharding = NamedSharding(mesh, _batch_spec((num_rows,), mesh))
+  index = sharding.addressable_devices_indices_map((num_rows,)).values()
+  starts = sorted({sl[0].indices(num_rows)[:2] for sl in index})
+  lo, hi = starts[0][0], starts[-1][1]
+  if sum(b - a for a, b in starts) != hi - lo or (hi - lo) * jax.process_count() != num_rows:
+    raise ValueError(
+      f"this process's devices hold rows {starts} of {num_rows}: not one contiguous equal slice; "
+      "order the mesh so that each host's devices are adjacent on data x fsdp"
+    )
+  return slice(lo, hi)
 
 
 def to_host(tree: Any) -> Any:

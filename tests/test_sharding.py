@@ -97,7 +97,7 @@ def test_batches_split_over_data_and_fsdp(setup):
   # Rows that do not divide over data x fsdp fall back to the axes that do (here data only).
   odd = sharding.shard_batch({"x": np.arange(6)}, mesh)
   assert odd["x"].sharding.spec == jax.P("data")
-  assert sharding.process_rows(16) == slice(0, 16)
+  assert sharding.process_rows(16, mesh) == slice(0, 16)
   # constrain_batch pins inside jit on the ambient mesh and is a no-op without one.
   x = jnp.ones((8, 3))
   assert sharding.constrain_batch(x) is x
