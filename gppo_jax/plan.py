@@ -112,17 +112,8 @@ def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp
   abstract_params = nnx.state(
     nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   )
-  o, u = config.optim, config.train
-  tx = train_step.make_optimizer(
-    lr=o.lr,
-    total_steps=max(1, config.iterations * u.epochs * u.minibatches),
-    warmup_steps=o.warmup_steps,
-    schedule=o.schedule,
-    weight_decay=o.weight_decay,
-    b1=o.b1,
-    b2=o.b2,
-    grad_clip=o.grad_clip,
-  )
+  u = config.train
+  tx = train_step.optimizer_from_config(config)
   state = train_step.TrainState(
     params=abstract_params,
     opt_state=jax.eval_shape(tx.init, abstract_params),
@@ -138,16 +129,7 @@ def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp
     kl_coef=config.loss.kl_coef,
     use_topk=config.loss.estimator == "topk",
   )
-  loss_kwargs = dict(
-    divergence=config.loss.divergence,
-    estimator=config.loss.estimator,
-    delta_low=config.loss.delta_low,
-    delta_high=config.loss.delta_high,
-    aggregation=config.loss.aggregation,
-    max_len=config.loss.max_len or resp_len,
-    ratio_cap=config.loss.ratio_cap,
-    dual_clip=config.loss.dual_clip,
-  )
+  loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
   return train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), state, spec
 
 
