@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gppo_jax import partitioning
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -547,6 +549,7 @@ class Transformer(nnx.Module):
 
       def step(x, xs):
         p, _ = xs
+        x = partitioning.constrain_batch(x)
         return _layer(cfg, p, x, positions, inv_freq, lambda k, v: (k, v, allowed)), None
 
       if REMAT_POLICIES[cfg.remat] is not None:

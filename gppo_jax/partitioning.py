@@ -140,3 +140,29 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> Named
   """Sharding for a [batch, ...] input array: batch over the "batch" rule's mesh axes."""
   spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh=mesh)
   return NamedSharding(mesh, spec)
+
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def constrain_batch(tree: Any) -> Any:
+  """Pins batch-major activations (leading axis) to data x fsdp on the ambient mesh.
+
+  A no-op without an ambient mesh (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`), so model
+  and training code call it unconditionally; the sharded jits of `gppo_jax.sharding` set the mesh.
+  Without it XLA lets FSDP-sharded weights pull activations off the batch split, and every device
+  computes the whole mini-batch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    return tree
+
+  def pin(x):
+    if not x.ndim:
+      return x
+    spec = logical_to_spec(
+      ("batch",) + (None,) * (x.ndim - 1), (("batch", BATCH_AXES),), shape=x.shape, mesh=mesh
+    )
+    return jax.lax.with_sharding_constraint(x, spec)
+
+  return jax.tree.map(pin, tree)

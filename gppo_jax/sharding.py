@@ -33,7 +33,8 @@ from gppo_jax import partitioning, sampler
 log = logging.getLogger(__name__)
 
 MESH_AXES = partitioning.MESH_AXES  # ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = partitioning.BATCH_AXES
+constrain_batch = partitioning.constrain_batch  # re-exported: lives with the model side
 # Set to 1/true by the launch scripts on multi-host slices (see launch/README.md).
 DISTRIBUTED_ENV = "GPPO_DISTRIBUTED"
 _DISTRIBUTED_VARS = (
@@ -197,20 +198,6 @@ def to_host(tree: Any) -> Any:
   from jax.experimental import multihost_utils
 
   return multihost_utils.process_allgather(tree, tiled=True)
-
-
-def constrain_batch(tree: Any) -> Any:
-  """Pins batch-major activations to data x fsdp on the ambient mesh (`jax.set_mesh`, or inside
-  jit `jax.sharding.use_abstract_mesh`); a no-op without one, so code may call it always."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
-    return tree
-
-  def pin(x):
-    spec = _batch_spec(x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, spec) if x.ndim else x
-
-  return jax.tree.map(pin, tree)
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

@@ -33,6 +33,7 @@ from gppo_jax import (
   evaluate,
   metric_writers,
   sampler,
+  sharding,
   train_step,
 )
 from gppo_jax import model as model_lib
@@ -165,17 +166,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     kl_coef=config.loss.kl_coef,
     use_topk=config.loss.estimator == "topk",
   )
-  update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), donate_argnums=0)
+  update_fn = train_step.make_update_fn(graphdef, tx, spec, loss_kwargs)
   logprob_fn = train_step.make_logprob_fn(
     graphdef, prompt_len=prompt_len, temperature=r.temperature
   )
-  ref_params = init_params if config.loss.kl_coef > 0 else None
+
+  # --- Mesh: state sharded by the logical-axis rules, rollout batches over data x fsdp ----------
+  mesh = sharding.make_mesh(config.mesh)
+  state_sh = sharding.state_shardings(state, mesh)
+  state = jax.device_put(state, state_sh)
+  # A copy: the update donates the state's buffers.
+  ref_params = jax.tree.map(jnp.copy, state.params) if config.loss.kl_coef > 0 else None
+  n_rollouts = r.prompts_per_iter * r.group_size
+  sample_fn = sharding.jit_sampler(graphdef, sampling, state_sh.params, n_rollouts)
+  update = sharded_logprobs = None  # compiled on the first batch, whose shapes they need
 
   # --- Checkpoints: resume if the workdir has one ------------------------------------------------
   mngr = checkpointing.make_manager(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.keep
   )
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  abstract = sharding.abstract_like(state, state_sh)
   start_step, restored, meta = checkpointing.restore_latest(mngr, abstract)
   base_key = jax.random.PRNGKey(config.seed)
   history: dict[str, Any] = {"warm_start": warm_info}
@@ -219,7 +229,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def on_sigterm(signum, frame):
     raise _Preempted()
 
-  old_handler = signal.signal(signal.SIGTERM, on_sigterm) if is_main else None
+  # Every process: Orbax saves are collective on multi-host slices.
+  old_handler = signal.signal(signal.SIGTERM, on_sigterm)
   iteration = start_iter
   last_eval = history.get("last_eval", history.get("initial_eval", {}))
   try:
@@ -228,14 +239,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       key = jax.random.fold_in(base_key, iteration)
       prompts = env.train_prompts(r.prompts_per_iter)
       rep = [p for p in prompts for _ in range(r.group_size)]
-      p_tok, p_mask, out = evaluate.sample_prompts(
-        graphdef,
-        state.params,
-        rep,
-        sampling,
-        jax.random.fold_in(key, 0),
-        prompt_len=prompt_len,
-        pad_id=pad_id,
+      p_tok, p_mask = sampler.left_pad([p.token_ids for p in rep], pad_id=pad_id, length=prompt_len)
+      rows = sharding.process_rows(n_rollouts, mesh)  # this host's slice of the batch
+      prompts_dev = sharding.shard_batch({"t": p_tok[rows], "m": p_mask[rows]}, mesh)
+      out = sharding.to_host(
+        sample_fn(state.params, prompts_dev["t"], prompts_dev["m"], jax.random.fold_in(key, 0))
       )
       texts = evaluate.decode_responses(tok, out.tokens, out.mask, stop_ids)
       t_rollout = time.time() - t0
@@ -260,12 +268,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       )
       if spec.use_topk:
         batch.update(topk_logq=out.topk_logprobs, topk_ids=out.topk_ids)
-      if r.recompute_logprobs:
-        batch["logq"] = np.asarray(logprob_fn(state.params, batch))
       if ref_params is not None:
-        batch["ref_logp"] = np.asarray(logprob_fn(ref_params, batch))
+        batch["ref_logp"] = np.zeros_like(batch["logq"])  # filled below; fixes the key set
+      if update is None:
+        batch_sh = sharding.batch_shardings(batch, mesh)
+        update = sharding.jit_update(update_fn, state_sh, batch_sh)
+        sharded_logprobs = sharding.jit_logprobs(logprob_fn, state_sh.params, batch_sh)
+
+      def to_devices(batch, rows=rows):
+        return sharding.shard_batch(jax.tree.map(lambda x: x[rows], batch), mesh)
+
+      if r.recompute_logprobs or ref_params is not None:
+        batch_dev = to_devices(batch)
+        if r.recompute_logprobs:
+          batch["logq"] = sharding.to_host(sharded_logprobs(state.params, batch_dev))
+        if ref_params is not None:
+          batch["ref_logp"] = sharding.to_host(sharded_logprobs(ref_params, batch_dev))
       t1 = time.time()
-      state, upd = update(state, batch, jax.random.fold_in(key, 1))
+      state, upd = update(state, to_devices(batch), jax.random.fold_in(key, 1))
       upd = train_step.summarize_update_metrics(jax.device_get(upd))
       t_update = time.time() - t1
       metrics = {
@@ -315,12 +335,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mngr.wait_until_finished()
   writer.close()
 
-  if config.model.export_hf and config.model.path is not None and is_main:
+  if config.model.export_hf and config.model.path is not None:
     from gppo_jax import hf_checkpoint
 
-    out_dir = os.path.join(workdir, "hf_export")
-    hf_checkpoint.save_model(nnx.merge(graphdef, state.params), out_dir, source=config.model.path)
-    say(f"exported the trained policy to {out_dir}")
+    params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
+    if is_main:
+      out_dir = os.path.join(workdir, "hf_export")
+      hf_checkpoint.save_model(nnx.merge(graphdef, params), out_dir, source=config.model.path)
+      say(f"exported the trained policy to {out_dir}")
   env.close()
   summary = {
     "workdir": workdir,
@@ -411,6 +433,7 @@ def main(argv):
 
   if flags.FLAGS["verbosity"].using_default_value:
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and JAX are chatty at INFO.
+  sharding.maybe_initialize_distributed()  # multi-host slices (GPPO_DISTRIBUTED=1)
   config = flags.FLAGS.config
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(path))

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 from gppo_jax import model as model_lib
-from gppo_jax import objective
+from gppo_jax import objective, partitioning
 
 Batch = dict[str, jax.Array]
 
@@ -213,6 +213,7 @@ def make_update_fn(
     micro = jax.tree.map(lambda x: split(x, spec.microbatches), mb)
 
     def micro_step(acc, piece):
+      piece = partitioning.constrain_batch(piece)
       grads, metrics = grad_fn(params, piece, count)
       return jax.tree.map(jnp.add, acc, grads), metrics
 
