@@ -27,7 +27,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 # Log-ratios are clipped here before exponentiation in generic code paths: e^40 ~ 2.4e17, so even a
-# quadratic generator stays finite in float32. Only astronomically out-of-region tokens are affected.
+# quadratic generator stays finite in float32. Only far out-of-region tokens are affected.
 MAX_LOG_RATIO = 40.0
 
 

@@ -1,7 +1,7 @@
 """Per-token estimators of D_f(pi || mu) at the sampled token (GPPO.md section 3).
 
 All estimators take log-probabilities of the sampled token under the current policy (`logp`) and the
-behaviour policy (`logq`) and are elementwise, so they broadcast over any leading [batch, token] axes
+behaviour policy (`logq`) and are elementwise, so they broadcast over leading [batch, token] axes
 exactly like `jax.vmap` of the per-token function. Every estimator is a sum of perspective terms
 b * f(a / b) (see `gppo_jax.divergences`):
 

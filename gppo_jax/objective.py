@@ -7,8 +7,8 @@ stopped only when the update would push it further out (A (r - 1) > 0):
   loss  = - aggregate_t( stop_gradient(1 - out_t) * r_t * A_t )
 
 With divergence="tv", estimator="mc" and delta = eps / 2 this is PPO's clipped objective (identical
-gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation over
-micro-batches reproduces the full-batch loss exactly (pass the full batch's count as `normalizer`).
+gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation
+over micro-batches reproduces the full-batch loss exactly (pass the full batch's count as `normalizer`).
 """
 
 from __future__ import annotations

@@ -112,23 +112,13 @@ def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp
   abstract_params = nnx.state(
     nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   )
-  u = config.train
   tx = train_step.optimizer_from_config(config)
   state = train_step.TrainState(
     params=abstract_params,
     opt_state=jax.eval_shape(tx.init, abstract_params),
     step=jax.ShapeDtypeStruct((), jnp.int32),
   )
-  spec = train_step.UpdateSpec(
-    prompt_len=prompt_len,
-    epochs=u.epochs,
-    minibatches=u.minibatches,
-    microbatches=u.microbatches,
-    temperature=config.rollout.temperature,
-    entropy_coef=config.loss.entropy_coef,
-    kl_coef=config.loss.kl_coef,
-    use_topk=config.loss.estimator == "topk",
-  )
+  spec = train_step.update_spec_from_config(config, prompt_len)
   loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
   return train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), state, spec
 

@@ -147,7 +147,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tok = env.tokenizer
   stop_ids = tuple(model_cfg.eos_token_ids)
   pad_id = model_cfg.pad_token_id
-  r, u = config.rollout, config.train
+  r = config.rollout
   tx = train_step.optimizer_from_config(config)
   state = train_step.TrainState(
     params=init_params, opt_state=tx.init(init_params), step=jnp.zeros((), jnp.int32)
@@ -156,16 +156,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   resp_len = sampling.max_new_tokens
   prompt_len = env.max_prompt_len
   loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
-  spec = train_step.UpdateSpec(
-    prompt_len=prompt_len,
-    epochs=u.epochs,
-    minibatches=u.minibatches,
-    microbatches=u.microbatches,
-    temperature=r.temperature,
-    entropy_coef=config.loss.entropy_coef,
-    kl_coef=config.loss.kl_coef,
-    use_topk=config.loss.estimator == "topk",
-  )
+  spec = train_step.update_spec_from_config(config, prompt_len)
   update_fn = train_step.make_update_fn(graphdef, tx, spec, loss_kwargs)
   logprob_fn = train_step.make_logprob_fn(
     graphdef, prompt_len=prompt_len, temperature=r.temperature

@@ -103,6 +103,21 @@ def loss_kwargs_from_config(config, response_len: int) -> dict[str, Any]:
   )
 
 
+def update_spec_from_config(config, prompt_len: int) -> UpdateSpec:
+  """The static shape of one update (epochs, mini/micro-batches, loss extras) from a config."""
+  u = config.train
+  return UpdateSpec(
+    prompt_len=prompt_len,
+    epochs=u.epochs,
+    minibatches=u.minibatches,
+    microbatches=u.microbatches,
+    temperature=config.rollout.temperature,
+    entropy_coef=config.loss.entropy_coef,
+    kl_coef=config.loss.kl_coef,
+    use_topk=config.loss.estimator == "topk",
+  )
+
+
 def build_sequences(
   prompt_tokens: np.ndarray,
   prompt_mask: np.ndarray,

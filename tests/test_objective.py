@@ -142,14 +142,8 @@ class ReductionsTest(chex.TestCase):
     for div in ("tv", "kl", "hellinger", "chi2"):
       for est in ("mc", "binary", "atomic"):
         g = grad_logp(
-          lambda lp: objective.policy_loss(  # noqa: B023
-            lp,
-            logq,
-            adv,
-            mask,
-            divergence=div,
-            estimator=est,
-            delta_low=1e-3,  # noqa: B023
+          lambda lp, div=div, est=est: objective.policy_loss(
+            lp, logq, adv, mask, divergence=div, estimator=est, delta_low=1e-3
           )[0],
           logp,
         )
