@@ -8,7 +8,7 @@ stopped only when the update would push it further out (A (r - 1) > 0):
 
 With divergence="tv", estimator="mc" and delta = eps / 2 this is PPO's clipped objective (identical
 gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation
-over micro-batches reproduces the full-batch loss exactly (pass the full batch's count as `normalizer`).
+over micro-batches reproduces the full-batch loss exactly (pass the full count as `normalizer`).
 """
 
 from __future__ import annotations
