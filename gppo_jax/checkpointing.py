@@ -14,7 +14,8 @@ import orbax.checkpoint as ocp
 
 def make_manager(directory: str, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
   """A manager that keeps the latest `max_to_keep` checkpoints under `directory`."""
-  directory = os.path.abspath(os.path.expanduser(directory))
+  if "://" not in directory:  # storage URLs (gs://...) go to Orbax as they are
+    directory = os.path.abspath(os.path.expanduser(directory))
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
   return ocp.CheckpointManager(directory, options=options)
 

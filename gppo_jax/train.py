@@ -121,11 +121,25 @@ class _Preempted(Exception):
 # --- The loop -----------------------------------------------------------------------------------
 
 
+def split_workdir(workdir: str) -> tuple[str, str]:
+  """(local folder for logs and summaries, checkpoint directory) of a workdir.
+
+  A local path holds both. A storage URL (gs://bucket/run, shared by every host of a slice) holds
+  the checkpoints; logs then go to ./workdirs/<run name> on each host.
+  """
+  if "://" in workdir:
+    return os.path.abspath(os.path.join("workdirs", workdir.rstrip("/").rsplit("/", 1)[-1])), (
+      workdir.rstrip("/") + "/checkpoints"
+    )
+  local = os.path.abspath(os.path.expanduser(workdir))
+  return local, os.path.join(local, "checkpoints")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains per `config`, writing logs, checkpoints and a summary into `workdir`."""
   t_start = time.time()
   config_lib.validate(config)
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  workdir, checkpoint_dir = split_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
   if is_main:
@@ -173,9 +187,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   update = sharded_logprobs = None  # compiled on the first batch, whose shapes they need
 
   # --- Checkpoints: resume if the workdir has one ------------------------------------------------
-  mngr = checkpointing.make_manager(
-    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.keep
-  )
+  mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
   abstract = sharding.abstract_like(state, state_sh)
   start_step, restored, meta = checkpointing.restore_latest(mngr, abstract)
   base_key = jax.random.PRNGKey(config.seed)
@@ -381,7 +393,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   """Evaluates the latest checkpoint in workdir (or the initial policy) on the config's eval set."""
   graphdef, params, _, env, _ = build_policy(config, say=lambda t: log.info(t))
   if which == "latest":
-    mngr = checkpointing.make_manager(os.path.join(workdir, "checkpoints"))
+    mngr = checkpointing.make_manager(split_workdir(workdir)[1])
     tx = train_step.optimizer_from_config(config)
     state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)

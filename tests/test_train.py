@@ -213,3 +213,17 @@ def test_policy_learns_on_a_tiny_task(tmp_path, learning_cache, divergence, esti
     for x in open(os.path.join(wd, "metrics.jsonl"))
   ]
   assert max(late) > 0.0  # the trust region acted on some late mini-batch
+
+
+def test_workdir_on_shared_storage_keeps_checkpoints_there(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  logs, ckpt = train.split_workdir("gs://bucket/runs/qwen-kl/")
+  assert ckpt == "gs://bucket/runs/qwen-kl/checkpoints"
+  assert logs == str(tmp_path / "workdirs" / "qwen-kl")
+  assert train.split_workdir("runs/a") == (
+    str(tmp_path / "runs/a"),
+    str(tmp_path / "runs/a/checkpoints"),
+  )
+  assert train.default_workdir("configs/kl_atomic.py:smoke,task=add1") == os.path.join(
+    "workdirs", "kl_atomic_smoke_task-add1"
+  )
