@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -28,6 +29,26 @@ class Prompt:
   gold: Any  # answer string (math / built-in) or tests (code)
   text: str = ""
   level: int = 0
+  benchmark: str = ""  # eval sets: the benchmark it belongs to (per-benchmark reports)
+
+
+def parse_eval_paths(spec: str | None) -> list[tuple[str, str]]:
+  """'aime24=a.jsonl,math500=b.jsonl' (or plain paths, named by file stem) -> [(name, path)]."""
+  out = []
+  for item in (spec or "").split(","):
+    item = item.strip()
+    if not item:
+      continue
+    name, sep, path = item.partition("=")
+    if not sep:
+      path, name = item, os.path.splitext(os.path.basename(item))[0]
+    if not name or not path:
+      raise ValueError(f"data.eval_path item {item!r}: expected NAME=PATH or PATH")
+    out.append((name, path))
+  names = [n for n, _ in out]
+  if len(set(names)) != len(names):
+    raise ValueError(f"data.eval_path names must be unique, got {names}")
+  return out
 
 
 class Env(Protocol):
@@ -128,8 +149,10 @@ class DataEnv:
     )
     train = data_lib.load_dataset(data_cfg.train_path, **load)
     self._iter = data_lib.PromptIterator(train.examples, batch_size, seed=seed)
-    evals = data_lib.load_dataset(data_cfg.eval_path, **load) if data_cfg.eval_path else None
-    self._eval = [self._prompt(e) for e in (evals.examples if evals else [])]
+    self._eval = []
+    for name, path in parse_eval_paths(data_cfg.eval_path):
+      evals = data_lib.load_dataset(path, **load)
+      self._eval += [dataclasses.replace(self._prompt(e), benchmark=name) for e in evals.examples]
     longest = max(len(e.token_ids) for e in train.examples)
     if self._eval:
       longest = max(longest, max(len(p.token_ids) for p in self._eval))

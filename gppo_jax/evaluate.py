@@ -90,7 +90,18 @@ def evaluate_policy(
   greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
   _, _, out = sample_prompts(graphdef, params, prompts, greedy, key, **common)
   rewards, valid, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), prompts)
-  metrics = {"eval/accuracy": float(np.mean(rewards[valid])) if valid.any() else float("nan")}
+  benches = [getattr(p, "benchmark", "") for p in prompts]
+  groups = {"": np.ones(len(prompts), bool)}  # "" = all prompts; then one group per benchmark
+  if len(set(benches)) > 1:
+    groups.update({b: np.array([x == b for x in benches]) for b in sorted(set(benches))})
+
+  def key_of(group: str, name: str) -> str:
+    return f"eval/{group}/{name}" if group else f"eval/{name}"
+
+  metrics = {}
+  for g, sel in groups.items():
+    ok = valid & sel
+    metrics[key_of(g, "accuracy")] = float(np.mean(rewards[ok])) if ok.any() else float("nan")
   if k > 0:
     sampling = sampler.SamplingParams(
       max_new, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
@@ -102,8 +113,9 @@ def evaluate_policy(
     )
     r, _, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), rep)
     correct = r.reshape(len(prompts), k) > 0.5
-    metrics[f"eval/avg@{k}"] = float(pass_at_k.avg_at_n(correct))
-    metrics[f"eval/pass@{k}"] = pass_at_k.mean_pass_at_k(correct, k)
+    for g, sel in groups.items():
+      metrics[key_of(g, f"avg@{k}")] = float(pass_at_k.avg_at_n(correct[sel]))
+      metrics[key_of(g, f"pass@{k}")] = pass_at_k.mean_pass_at_k(correct[sel], k)
   return metrics
 
 

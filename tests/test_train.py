@@ -227,3 +227,15 @@ def test_workdir_on_shared_storage_keeps_checkpoints_there(tmp_path, monkeypatch
   assert train.default_workdir("configs/kl_atomic.py:smoke,task=add1") == os.path.join(
     "workdirs", "kl_atomic_smoke_task-add1"
   )
+
+
+def test_eval_paths_name_benchmarks():
+  assert envs.parse_eval_paths("aime24=data/a.jsonl, data/math500.jsonl") == [
+    ("aime24", "data/a.jsonl"),
+    ("math500", "data/math500.jsonl"),
+  ]
+  assert envs.parse_eval_paths(None) == []
+  with pytest.raises(ValueError, match="unique"):
+    envs.parse_eval_paths("a=x.jsonl,a=y.jsonl")
+  with pytest.raises(ValueError, match="NAME=PATH"):
+    envs.parse_eval_paths("=x.jsonl")

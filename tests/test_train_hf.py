@@ -69,6 +69,8 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   train_path, eval_path = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
   train_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   eval_path.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+  eval2 = tmp_path / "other.jsonl"
+  eval2.write_text("".join(json.dumps(r) + "\n" for r in rows[4:7]))
 
   spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs", "ppo.py"))
   module = importlib.util.module_from_spec(spec)
@@ -77,7 +79,7 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   c.model.path = model_dir
   c.model.export_hf = True
   c.data.train_path = str(train_path)
-  c.data.eval_path = str(eval_path)
+  c.data.eval_path = f"easy={eval_path},{eval2}"  # NAME=PATH, or a path named by its stem
   c.data.verifier_workers = 1
   c.rollout.prompts_per_iter = 4
   c.rollout.max_new_tokens = 8
@@ -92,7 +94,15 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   statuses = {k for k in lines[1] if k.startswith("reward/status_")}
   assert {"reward/status_ok", "reward/status_wrong", "reward/status_no_answer"} <= statuses
   assert sum(lines[1][k] for k in statuses) == c.rollout.prompts_per_iter * c.rollout.group_size
-  assert summary["initial_eval"]["eval/accuracy"] >= 0.0
+  # One report per benchmark besides the overall figures.
+  ev = summary["initial_eval"]
+  for name in ("eval", "eval/easy", "eval/other"):
+    assert {f"{name}/accuracy", f"{name}/avg@2", f"{name}/pass@2"} <= set(ev), ev.keys()
+  n_easy, n_other = 4, 3
+  np.testing.assert_allclose(
+    ev["eval/accuracy"],
+    (n_easy * ev["eval/easy/accuracy"] + n_other * ev["eval/other/accuracy"]) / 7,
+  )
   # The trained policy is written back as a Hugging Face folder that our loader and
   # transformers both read, with the tokenizer files alongside.
   from flax import nnx
