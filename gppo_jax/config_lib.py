@@ -128,6 +128,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_problems = 512
   c.eval.k = 4  # samples per problem for avg@k / pass@k
   c.eval.temperature = 1.0
+  c.eval.top_p = 1.0
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 20

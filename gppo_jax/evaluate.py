@@ -140,7 +140,11 @@ if __name__ == "__main__":
 
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
   flags.DEFINE_string("workdir", None, "Run folder holding checkpoints/.")
-  flags.DEFINE_string("checkpoint", "latest", "'latest' (in workdir) or 'init' (initial policy).")
+  flags.DEFINE_string(
+    "checkpoint",
+    "latest",
+    "'latest' (in --workdir), 'init' (initial policy), another run's workdir, or an HF folder.",
+  )
   flags.mark_flags_as_required(["config"])
   logging.getLogger("absl").setLevel(logging.INFO)
   app.run(main)

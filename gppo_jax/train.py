@@ -209,6 +209,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       eval_key,
       k=config.eval.k,
       temperature=config.eval.temperature,
+      top_p=config.eval.top_p,
       max_new_tokens=resp_len,
     )
     say("initial policy: " + _fmt(history["initial_eval"]))
@@ -314,6 +315,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           eval_key,
           k=config.eval.k,
           temperature=config.eval.temperature,
+          top_p=config.eval.top_p,
           max_new_tokens=resp_len,
         )
         history["last_eval"] = last_eval
@@ -390,28 +392,49 @@ def _print_summary(s: dict[str, Any], config) -> None:
 
 
 def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str, Any]:
-  """Evaluates the latest checkpoint in workdir (or the initial policy) on the config's eval set."""
+  """Evaluates a policy on the config's held-out set(s); returns the report as a dict.
+
+  which: "latest" (the workdir's latest checkpoint), "init" (the initial / warm-started policy),
+  the path of another run's workdir, or a Hugging Face folder (e.g. a run's hf_export).
+  """
   graphdef, params, _, env, _ = build_policy(config, say=lambda t: log.info(t))
-  if which == "latest":
-    mngr = checkpointing.make_manager(split_workdir(workdir)[1])
-    tx = train_step.optimizer_from_config(config)
-    state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    step, restored, _ = checkpointing.restore_latest(mngr, abstract)
-    if restored is None:
-      raise FileNotFoundError(f"no checkpoint under {workdir}/checkpoints")
-    params = restored.params
-  elif which != "init":
-    raise ValueError(f"--checkpoint must be 'latest' or 'init', got {which!r}")
+  if which != "init":
+    source = workdir if which == "latest" else which
+    is_hf = (
+      "://" not in source
+      and os.path.isdir(source)
+      and any(f.endswith(".safetensors") for f in os.listdir(source))
+    )  # a run's workdir has a config.json too, but no weights beside it
+    if is_hf:
+      from gppo_jax import hf_checkpoint
+
+      model = hf_checkpoint.load_model(
+        source, dtype=config.model.dtype, param_dtype=config.model.param_dtype
+      )
+      graphdef, params = nnx.split(model)
+    else:
+      mngr = checkpointing.make_manager(split_workdir(source)[1])
+      tx = train_step.optimizer_from_config(config)
+      state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+      _, restored, _ = checkpointing.restore_latest(mngr, abstract)
+      if restored is None:
+        raise FileNotFoundError(
+          f"no checkpoint under {split_workdir(source)[1]} (and no *.safetensors for a Hugging "
+          "Face folder); --checkpoint takes latest, init, a run's workdir or an HF folder"
+        )
+      params = restored.params
   key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9)
   max_new = sampling_params(config, env, stop_ids=(), pad_id=0).max_new_tokens
+  e = config.eval
   metrics = evaluate.evaluate_policy(
     graphdef,
     params,
     env,
     key,
-    k=config.eval.k,
-    temperature=config.eval.temperature,
+    k=e.k,
+    temperature=e.temperature,
+    top_p=e.top_p,
     max_new_tokens=max_new,
   )
   env.close()
@@ -420,8 +443,9 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
     "num_problems": len(env.eval_prompts()),
     "decoding": {
       "greedy": True,
-      "k": config.eval.k,
-      "temperature": config.eval.temperature,
+      "k": e.k,
+      "temperature": e.temperature,
+      "top_p": e.top_p,
       "max_new_tokens": max_new,
     },
     **metrics,

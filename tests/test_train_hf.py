@@ -113,4 +113,9 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   assert shapes(exported) == shapes(initial)
   assert os.path.exists(os.path.join(wd, "hf_export", "tokenizer.json"))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(wd, "hf_export"))
+  # `python -m gppo_jax.evaluate --checkpoint=...`: the exported folder scores like the checkpoint.
+  from_ckpt = train.evaluate_checkpoint(c, wd, "latest")
+  from_hf = train.evaluate_checkpoint(c, wd, os.path.join(wd, "hf_export"))
+  assert from_ckpt["eval/easy/accuracy"] == from_hf["eval/easy/accuracy"]
+  assert from_hf["decoding"]["k"] == 2 and "eval/other/pass@2" in from_hf
   assert reloaded.config.vocab_size == 300
