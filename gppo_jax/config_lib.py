@@ -103,6 +103,12 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.kl_coef = 0.0  # penalty to the frozen initial policy (k3)
   c.loss.entropy_coef = 0.0
 
+  # Optional shaping on top of correctness (0 = off): DAPO's soft overlong penalty over the last
+  # `overlong_buffer` tokens of rollout.max_new_tokens; + format_coef for an extractable answer.
+  c.reward = ml_collections.ConfigDict()
+  c.reward.overlong_buffer = 0
+  c.reward.format_coef = 0.0
+
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | batch_std
   c.advantage.eps = 1e-6  # grpo: (R - mean) / (std + eps)

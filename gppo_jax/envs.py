@@ -205,6 +205,38 @@ class DataEnv:
       self._scorer.close()
 
 
+def shape_rewards(
+  rewards: np.ndarray,
+  texts: Sequence[str],
+  lengths: np.ndarray,
+  *,
+  max_len: int,
+  overlong_buffer: int = 0,
+  format_coef: float = 0.0,
+) -> tuple[np.ndarray, dict[str, float]]:
+  """Optional reward shaping on top of correctness (both off by default).
+
+  overlong_buffer > 0: DAPO's soft overlong penalty over the last `overlong_buffer` of `max_len`
+  response tokens. format_coef > 0: + format_coef for a response whose final answer can be
+  extracted (a closed \\boxed{...}).
+  """
+  from gppo_jax import math_reward
+
+  out = np.asarray(rewards, np.float32).copy()
+  metrics = {}
+  if overlong_buffer > 0:
+    pen = np.array(
+      [math_reward.overlong_penalty(int(n), max_len, overlong_buffer) for n in lengths], np.float32
+    )
+    out += pen
+    metrics["reward/overlong_penalty_mean"] = float(pen.mean())
+  if format_coef > 0:
+    fmt = np.array([math_reward.format_reward(t, reward=format_coef) for t in texts], np.float32)
+    out += fmt
+    metrics["reward/format_frac"] = float(np.mean(fmt > 0))
+  return out, metrics
+
+
 def _template_fn(tokenizer):
   apply = getattr(tokenizer, "apply_chat_template", None)
   if apply is None:

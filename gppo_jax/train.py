@@ -252,6 +252,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       texts = evaluate.decode_responses(tok, out.tokens, out.mask, stop_ids)
       t_rollout = time.time() - t0
       rewards, valid, reward_metrics = env.score(texts, rep)
+      correct = rewards
+      rewards, shaping_metrics = envs.shape_rewards(
+        rewards,
+        texts,
+        out.lengths,
+        max_len=resp_len,
+        overlong_buffer=config.reward.overlong_buffer,
+        format_coef=config.reward.format_coef,
+      )
+      reward_metrics.update(shaping_metrics)
       rewards_g = rewards.reshape(r.prompts_per_iter, r.group_size)
       valid_g = valid.reshape(rewards_g.shape)
       # Invalid scores (infrastructure errors) take their group's mean: zero advantage, masked.
@@ -294,6 +304,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       t_update = time.time() - t1
       metrics = {
         "reward/mean": float(np.mean(rewards)),
+        "reward/correct_mean": float(np.mean(correct)),
         "reward/std": float(np.std(rewards)),
         "response/length_mean": float(np.mean(out.lengths)),
         "response/truncated_frac": float(np.mean(out.lengths >= resp_len)),

@@ -239,3 +239,17 @@ def test_eval_paths_name_benchmarks():
     envs.parse_eval_paths("a=x.jsonl,a=y.jsonl")
   with pytest.raises(ValueError, match="NAME=PATH"):
     envs.parse_eval_paths("=x.jsonl")
+
+
+def test_reward_shaping_overlong_and_format():
+  rewards = np.array([1.0, 0.0, 1.0, 0.0])
+  texts = ["so \\boxed{4}", "no answer", "\\boxed{4}", "\\boxed{5"]
+  lengths = np.array([10, 10, 19, 20])
+  same, m = envs.shape_rewards(rewards, texts, lengths, max_len=20)
+  np.testing.assert_array_equal(same, rewards) and not m
+  shaped, m = envs.shape_rewards(
+    rewards, texts, lengths, max_len=20, overlong_buffer=4, format_coef=0.1
+  )
+  # Penalty min(-(L - 16) / 4, 0): 0, 0, -0.75, -1; format bonus for the closed boxes only.
+  np.testing.assert_allclose(shaped, [1.1, 0.0, 1.1 - 0.75, -1.0], rtol=1e-6)
+  assert m["reward/format_frac"] == 0.5
