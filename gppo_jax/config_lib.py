@@ -227,3 +227,61 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ValueError("loss.estimator='exact' is a diagnostic, not a trust region for training")
   if c.data.train_path is None and c.model.path is not None:
     raise ValueError("model.path is set but data.train_path is not: a real model needs real data")
+
+
+# Hardware variants of the real-run configs (configs/qwen25_math_7b.py, configs/qwen3_8b.py).
+REAL_RUN_VARIANTS = {
+  # v5p-64 = 32 chips (95 GiB HBM each): FSDP over all chips; ~8B fp32 master weights + Adam are
+  # ~3 GiB per chip, leaving room for 1024 rollouts of several thousand tokens.
+  "v5p64": dict(mesh=dict(data=1, fsdp=32, tensor=1), prompts=128, micro=1),
+  # One host with 8 GPUs (H100 80 GiB / H200 141 GiB): FSDP over the 8 GPUs.
+  "gpu8": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=64, micro=4),
+}
+
+
+def real_run(
+  arg: str | None, *, preset: str, path: str, max_prompt_tokens: int, max_new_tokens: int
+) -> ml_collections.ConfigDict:
+  """KL-Atomic GPPO on a local Hugging Face checkpoint with math data, for a TPU v5p-64 slice or
+  an 8-GPU host: `arg` picks the variant (v5p64 | gpu8; default v5p64) plus `smoke` etc."""
+  args = parse_arg(arg)
+  names = [k for k in args if k in REAL_RUN_VARIANTS] or ["v5p64"]
+  if len(names) > 1:
+    raise ValueError(f"pick one hardware variant, got {names}; valid: {sorted(REAL_RUN_VARIANTS)}")
+  v = REAL_RUN_VARIANTS[names[0]]
+  c = cell("kl", "atomic", arg)
+  c.model.preset = preset  # same shapes; used by gppo_jax.plan when model.path is absent
+  c.model.path = path
+  c.model.dtype = "bfloat16"  # compute; master weights and Adam moments stay float32
+  c.model.param_dtype = "float32"
+  c.model.export_hf = True
+  c.warmstart.enabled = False
+  c.data.train_path = "/data/math/train.jsonl"
+  c.data.eval_path = "/data/math/test.jsonl"
+  c.data.kind = "math"
+  c.data.max_prompt_tokens = max_prompt_tokens
+  c.data.verifier_workers = 16
+  c.rollout.prompts_per_iter = v["prompts"]
+  c.rollout.group_size = 8
+  c.rollout.max_new_tokens = max_new_tokens
+  c.rollout.temperature = 1.0
+  c.train.epochs = 1
+  c.train.minibatches = 8  # mini-batches after the first are off-policy: the trust region acts
+  c.train.microbatches = v["micro"]
+  c.optim.lr = 1e-6
+  c.optim.warmup_steps = 10
+  c.optim.weight_decay = 0.01
+  c.optim.grad_clip = 1.0
+  c.iterations = 500
+  c.eval.every = 25
+  c.eval.num_problems = 500
+  c.eval.k = 4
+  c.checkpoint.every = 25
+  c.checkpoint.keep = 2
+  for axis, size in v["mesh"].items():
+    c.mesh[axis] = size
+  if "smoke" in args:  # keep the real model, shrink everything else
+    c.rollout.max_new_tokens = 64
+    c.eval.num_problems = 16
+    c.train.microbatches = 1
+  return c
