@@ -163,21 +163,10 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   return c
 
 
-def cell(divergence: str, estimator: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """A grid cell: the base config with the cell's divergence, estimator and default delta."""
-  c = base(arg)
-  settings = presets.cell(divergence, estimator)
-  c.loss.divergence = settings.divergence
-  c.loss.estimator = settings.estimator
-  c.loss.delta_low = settings.delta_low
-  c.loss.delta_high = settings.delta_high
-  return c
-
-
-def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """A named algorithm (ppo, dapo, dppo, ripo, ...) on the base config."""
-  c = base(arg)
-  s = presets.get(name)
+def use_settings(
+  c: ml_collections.ConfigDict, s: presets.LossSettings
+) -> ml_collections.ConfigDict:
+  """Writes a LossSettings (trust region, aggregation, advantage) into config `c`."""
   c.loss.divergence = s.divergence
   c.loss.estimator = s.estimator
   c.loss.delta_low = s.delta_low
@@ -187,6 +176,16 @@ def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.dual_clip = s.dual_clip
   c.advantage.name = s.advantage
   return c
+
+
+def cell(divergence: str, estimator: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """A grid cell: the base config with the cell's divergence, estimator and default delta."""
+  return use_settings(base(arg), presets.cell(divergence, estimator))
+
+
+def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """A named algorithm (ppo, dapo, dppo, ripo, ...) on the base config."""
+  return use_settings(base(arg), presets.get(name))
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

@@ -695,6 +695,12 @@ def chunked_logprobs(model: Transformer, hidden: jax.Array, targets: jax.Array, 
   return chunked_logprob_stats(hidden, w, targets, tied=tied, **kwargs)
 
 
+def _forward_stats(model: Transformer, tokens, positions, attn_mask, targets, **kwargs):
+  """One forward pass, then `chunked_logprobs` on its hidden states."""
+  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
+  return chunked_logprobs(model, hidden, targets, **kwargs)
+
+
 def token_logprobs(
   model: Transformer,
   tokens: jax.Array,
@@ -706,9 +712,9 @@ def token_logprobs(
   chunk_size: int = 128,
 ) -> jax.Array:
   """float32 [B, T]: log softmax(logits / temperature)[targets], chunked over the sequence."""
-  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
-  stats = chunked_logprobs(model, hidden, targets, temperature=temperature, chunk_size=chunk_size)
-  return stats["logprobs"]
+  return _forward_stats(
+    model, tokens, positions, attn_mask, targets, temperature=temperature, chunk_size=chunk_size
+  )["logprobs"]
 
 
 def token_logprobs_and_entropy(
@@ -722,9 +728,15 @@ def token_logprobs_and_entropy(
   chunk_size: int = 128,
 ) -> tuple[jax.Array, jax.Array]:
   """(log-probs of targets [B, T], entropy of softmax(logits / temperature) [B, T]), chunked."""
-  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
-  stats = chunked_logprobs(
-    model, hidden, targets, temperature=temperature, chunk_size=chunk_size, entropy=True
+  stats = _forward_stats(
+    model,
+    tokens,
+    positions,
+    attn_mask,
+    targets,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    entropy=True,
   )
   return stats["logprobs"], stats["entropy"]
 
@@ -740,16 +752,16 @@ def gather_logprobs(
   chunk_size: int = 128,
 ) -> jax.Array:
   """float32 [B, T, K]: the policy's log-probs at given token ids [B, T, K] (e.g. a top-K)."""
-  hidden, _ = model(tokens, positions, attn_mask=attn_mask)
-  stats = chunked_logprobs(
+  return _forward_stats(
     model,
-    hidden,
+    tokens,
+    positions,
+    attn_mask,
     ids[..., 0],
     temperature=temperature,
     chunk_size=chunk_size,
     gather_ids=ids,
-  )
-  return stats["gathered_logprobs"]
+  )["gathered_logprobs"]
 
 
 def positions_from_mask(attn_mask: jax.Array) -> jax.Array:
