@@ -82,7 +82,14 @@ class BuiltinEnv:
     self.max_new_tokens = self.task.max_answer_len + 1
 
   def _prompt(self, p: tasks.Problem) -> Prompt:
-    return Prompt(self.tokenizer.encode(p.prompt, add_bos=True), p.answer, p.prompt, p.level)
+    # Difficulty levels are reported apart (eval/level<k>/...) on tasks that have several.
+    return Prompt(
+      self.tokenizer.encode(p.prompt, add_bos=True),
+      p.answer,
+      p.prompt,
+      p.level,
+      benchmark=f"level{p.level}",
+    )
 
   def train_prompts(self, n: int) -> list[Prompt]:
     rng = np.random.default_rng([self.seed, self.draws])

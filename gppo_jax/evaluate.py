@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -40,21 +40,28 @@ def sample_prompts(
   prompt_len: int,
   pad_id: int,
   batch_size: int | None = None,
+  sample_fn: Callable | None = None,
 ) -> tuple[np.ndarray, np.ndarray, sampler.SampleOutput]:
   """Samples one response per prompt; returns (prompt_tokens, prompt_mask, output) as numpy.
 
   Prompts are left-padded to `prompt_len` and, with `batch_size`, processed in equal batches (the
-  last one padded by repetition) so one compiled sampler serves every call.
+  last one padded by repetition) so one compiled sampler serves every call. `sample_fn` (a
+  `sharding.MeshSampler`) samples on a device mesh, one host or many, with the batch size rounded
+  up to a multiple of its batch shards; without it, the sampler runs on the default device.
   """
   tokens, mask = sampler.left_pad([p.token_ids for p in prompts], pad_id=pad_id, length=prompt_len)
   n = len(prompts)
   bs = batch_size or n
+  if sample_fn is not None:
+    bs = -(-bs // sample_fn.batch_multiple) * sample_fn.batch_multiple
   outs = []
   for start in range(0, n, bs):
     idx = np.arange(start, start + bs) % n
-    out = sampler.sample_jit(
-      graphdef, params, tokens[idx], mask[idx], jax.random.fold_in(key, start), sampling
-    )
+    sub_key = jax.random.fold_in(key, start)
+    if sample_fn is None:
+      out = sampler.sample_jit(graphdef, params, tokens[idx], mask[idx], sub_key, sampling)
+    else:
+      out = sample_fn(params, tokens[idx], mask[idx], sub_key, sampling)
     out = jax.tree.map(np.asarray, out)
     take = min(bs, n - start)
     outs.append(jax.tree.map(lambda x, take=take: x[:take], out))
@@ -74,9 +81,11 @@ def evaluate_policy(
   batch_size: int = 256,
   max_new_tokens: int | None = None,
   prompts: Sequence[Prompt] | None = None,
+  sample_fn: Callable | None = None,
 ) -> dict[str, float]:
   """Greedy accuracy plus avg@k and unbiased pass@k (k samples at `temperature`) on env's eval set
-  (or on `prompts`)."""
+  (or on `prompts`). `sample_fn`: a `sharding.MeshSampler` to sample on a mesh (multi-host safe:
+  every process gets the same metrics)."""
   prompts = env.eval_prompts() if prompts is None else prompts
   if not prompts:
     return {}
@@ -85,7 +94,10 @@ def evaluate_policy(
   max_new = max_new_tokens or env.max_new_tokens
   pad_id = getattr(tok, "pad_id", 0)
   common = dict(
-    prompt_len=env.max_prompt_len, pad_id=pad_id, batch_size=min(batch_size, len(prompts))
+    prompt_len=env.max_prompt_len,
+    pad_id=pad_id,
+    batch_size=min(batch_size, len(prompts)),
+    sample_fn=sample_fn,
   )
   greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
   _, _, out = sample_prompts(graphdef, params, prompts, greedy, key, **common)

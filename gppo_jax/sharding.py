@@ -241,6 +241,52 @@ def jit_logprobs(logprob_fn: Callable, param_shardings: Any, batch_shardings: An
   return jax.jit(fn, in_shardings=(param_shardings, batch_shardings), out_shardings=out)
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways a batch is split (data x fsdp sizes): batch sizes should be multiples."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+class MeshSampler:
+  """Samples on the mesh from host prompts: what the rollouts and the periodic eval call.
+
+  Every process passes the same full prompt arrays (left-padded numpy); each feeds its own rows,
+  the sampler runs sharded over data x fsdp, and every process gets the full outputs back as numpy.
+  One compiled sampler is kept per (sampling params, batch size).
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any):
+    self.graphdef = graphdef
+    self.param_shardings = param_shardings
+    self.mesh = jax.tree.leaves(param_shardings)[0].mesh
+    self.batch_multiple = batch_shards(self.mesh)
+    self._compiled: dict[tuple[sampler.SamplingParams, int], Callable] = {}
+
+  def __call__(
+    self,
+    params: Any,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    rng: jax.Array,
+    sampling: sampler.SamplingParams,
+  ) -> sampler.SampleOutput:
+    n = int(np.shape(prompt_tokens)[0])
+    if n % self.batch_multiple and jax.process_count() > 1:
+      raise ValueError(
+        f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
+        f"{dict(self.mesh.shape)}; use a multiple"
+      )
+    fn = self._compiled.get((sampling, n))
+    if fn is None:
+      fn = self._compiled[(sampling, n)] = jit_sampler(
+        self.graphdef, sampling, self.param_shardings, n
+      )
+    rows = process_rows(n, self.mesh)
+    dev = shard_batch(
+      {"t": np.asarray(prompt_tokens)[rows], "m": np.asarray(prompt_mask)[rows]}, self.mesh
+    )
+    return to_host(fn(params, dev["t"], dev["m"], rng))
+
+
 def jit_sampler(
   graphdef: nnx.GraphDef,
   sampling: sampler.SamplingParams,

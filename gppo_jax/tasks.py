@@ -88,6 +88,7 @@ class Arithmetic:
   ops: str = "+"
   reverse: bool = True
   level: int = 0
+  pad: bool = False  # zero-pad operands to `digits` ("123-045="): one prompt length per level
 
   def sample(self, rng: np.random.Generator) -> Problem:
     lo, hi = 10 ** (self.digits - 1), 10**self.digits
@@ -95,15 +96,16 @@ class Arithmetic:
       lo = 0
     nums = [int(rng.integers(lo, hi)) for _ in range(self.num_operands)]
     ops = [self.ops[int(rng.integers(len(self.ops)))] for _ in range(self.num_operands - 1)]
+    width = self.digits if self.pad else 0
     value = nums[0]
-    text = str(nums[0])
+    text = str(nums[0]).zfill(width)
     for op, n in zip(ops, nums[1:], strict=True):
       if op == "-" and n > value:
         n = int(rng.integers(0, value + 1))
       if op == "*":
         n = int(rng.integers(2, 10))
       value = value + n if op == "+" else value - n if op == "-" else value * n
-      text += f"{op}{n}"
+      text += f"{op}{str(n).zfill(width if op != '*' else 0)}"
     answer = str(value)
     return Problem(
       prompt=text + "=", answer=answer[::-1] if self.reverse else answer, level=self.level
@@ -179,6 +181,28 @@ TASKS: dict[str, Task] = {
     [Arithmetic(3, 2, "+", True, 1)],
     [1.0],
     "3-digit addition, answer reversed (easy: RL saturates in about a minute)",
+  ),
+  "add_rev4": _mixture(
+    "add_rev4",
+    [Arithmetic(4, 2, "+", True, 1)],
+    [1.0],
+    "4-digit addition, answer reversed",
+  ),
+  "sum3_rev3": _mixture(
+    "sum3_rev3",
+    [Arithmetic(3, 3, "+", True, 1)],
+    [1.0],
+    "sum of three 3-digit numbers, answer reversed",
+  ),
+  "ops3": _mixture(
+    "ops3",
+    [
+      Arithmetic(3, 2, "+", True, 1, pad=True),
+      Arithmetic(3, 2, "-", True, 2, pad=True),
+      Arithmetic(3, 2, "*", True, 3, pad=True),
+    ],
+    [1 / 3, 1 / 3, 1 / 3],
+    "3-digit addition, subtraction and multiplication by a digit, answers reversed",
   ),
   "add3": _mixture(
     "add3",

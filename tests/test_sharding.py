@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import checkpointing, plan, sampler, sharding, train_step
+from gppo_jax import checkpointing, evaluate, plan, sampler, sharding, train_step
 from gppo_jax import model as model_lib
+from gppo_jax.envs import Prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
@@ -159,6 +160,67 @@ def test_sharded_sampler_gives_identical_tokens(setup, shape):
   np.testing.assert_allclose(np.asarray(out.logprobs), want.logprobs, atol=1e-5)
   assert out.tokens.sharding.spec[0] == ("data", "fsdp")
   assert want.mask.sum() > N  # the comparison covers several tokens per row
+
+
+class _ParityEnv:
+  """Eval prompts from the setup batch; a response scores 1 when it has an even token count."""
+
+  class tokenizer:  # noqa: N801
+    eos_ids, pad_id = (2,), 0
+
+    @staticmethod
+    def decode(ids):
+      return ",".join(map(str, ids))
+
+  max_prompt_len, max_new_tokens = P, 6
+
+  def __init__(self, p_tok, p_mask, n):
+    self.prompts = [
+      Prompt([int(t) for t, m in zip(row, keep, strict=True) if m], gold="", benchmark=f"b{i % 2}")
+      for i, (row, keep) in enumerate(zip(p_tok[:n], p_mask[:n], strict=True))
+    ]
+
+  def eval_prompts(self):
+    return self.prompts
+
+  def score(self, responses, prompts):
+    r = np.array([float(len(x.split(",")) % 2 == 0) for x in responses], np.float32)
+    return r, np.ones(len(r), bool), {}
+
+
+def test_periodic_eval_on_a_mesh_matches_one_device(setup):
+  """The train loop's eval samples through a MeshSampler (each host feeds its rows): the same
+  tokens and the same report as the single-device sampler, with uneven sizes padded to a multiple
+  of the batch shards."""
+  mesh = mesh_of((2, 2, 2))
+  params = setup["host_state"].params
+  shardings = sharding.state_shardings(setup["host_state"], mesh).params
+  mesh_sampler = sharding.MeshSampler(setup["graphdef"], shardings)
+  assert mesh_sampler.batch_multiple == 4
+  placed = jax.device_put(params, shardings)
+  env = _ParityEnv(setup["p_tok"], setup["p_mask"], N)
+  common = dict(k=3, batch_size=8, max_new_tokens=5)
+  key = jax.random.PRNGKey(1)
+  want = evaluate.evaluate_policy(setup["graphdef"], params, env, key, **common)
+  got = evaluate.evaluate_policy(
+    setup["graphdef"], placed, env, key, sample_fn=mesh_sampler, **common
+  )
+  assert got.keys() == want.keys() and "eval/b1/pass@3" in got
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, atol=1e-6, err_msg=name)
+  assert 0 < got["eval/avg@3"] < 1  # the comparison is not between two constant reports
+
+  # 7 prompts: batches of 8 on one device, rounded up to 8 on the mesh; 6 -> batch 6 vs 8.
+  for n, bs in ((7, 7), (6, 6)):
+    prompts = env.prompts[:n]
+    greedy = sampler.SamplingParams(5, greedy=True, stop_ids=(2,))
+    args = dict(prompt_len=P, pad_id=0, batch_size=bs)
+    _, _, a = evaluate.sample_prompts(setup["graphdef"], params, prompts, greedy, key, **args)
+    _, _, b = evaluate.sample_prompts(
+      setup["graphdef"], placed, prompts, greedy, key, sample_fn=mesh_sampler, **args
+    )
+    assert b.tokens.shape == a.tokens.shape == (n, 5)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
 
 
 def test_sharded_logprobs_match_one_device(setup):

@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -79,18 +80,37 @@ def test_malformed_data_file_names_the_line(tmp_path):
     data.load_dataset(str(empty), encode=lambda s: [1])
 
 
-def test_builtin_tasks_split_and_score():
-  task = tasks.get("arith_mix")
+def _value(expr: str) -> int:
+  """Left-to-right value of '12+034-5' (zero-padded operands; one kind of op per problem)."""
+  parts = re.findall(r"\d+|[-+*]", expr)
+  value = int(parts[0])
+  for op, n in zip(parts[1::2], parts[2::2], strict=True):
+    value = value + int(n) if op == "+" else value - int(n) if op == "-" else value * int(n)
+  return value
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_builtin_tasks_split_and_score(name):
+  task = tasks.get(name)
   ev = task.eval_set(200)
   tr = task.sample(np.random.default_rng(0), 2000)
   assert not {p.prompt for p in ev} & {p.prompt for p in tr}
   assert task.eval_set(200) == ev  # fixed held-out set
   tok = tasks.CharTokenizer()
-  for p in ev[:50]:
+  comps = {c.level: c for c in task.components}
+  assert len(comps) == len(task.components) and {p.level for p in tr} == set(comps)
+  for p in ev[:100]:
     assert tok.decode(tok.encode(p.prompt)) == p.prompt
-    expr = p.prompt[:-1]
-    assert p.answer[::-1] == str(eval(expr))  # the reversed answer is the true value
+    assert len(p.prompt) <= task.max_prompt_len and len(p.answer) <= task.max_answer_len
+    value = _value(p.prompt[:-1])
+    want = str(value)[::-1] if comps[p.level].reverse else str(value)
+    assert value >= 0 and p.answer == want  # the (reversed) answer is the true value
     assert task.reward(" " + p.answer, p) == 1.0 and task.reward(p.answer + "1", p) == 0.0
+  # Zero-padded levels have one prompt length each.
+  for comp in task.components:
+    if comp.pad:
+      lens = {len(p.prompt) for p in tr if p.level == comp.level}
+      assert len(lens) == 1, (comp, lens)
   with pytest.raises(ValueError, match="valid names"):
     tasks.get("chess")
 
