@@ -39,12 +39,12 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   args = parse_arg(arg)
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.iterations = 200  # RL iterations: rollout + update each.
+  c.iterations = 400  # RL iterations: rollout + update each.
   c.log_every = 1
 
   c.task = ml_collections.ConfigDict()
   # Built-in task (gppo_jax.tasks.TASKS), used when data.train_path is None.
-  c.task.name = args.get("task", "add_rev3")
+  c.task.name = args.get("task", "addsub3")
 
   # Real data (JSONL / Parquet files); see README "Data files".
   c.data = ml_collections.ConfigDict()
@@ -77,6 +77,8 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.warmstart.batch_size = 128
   c.warmstart.lr = 3e-3
   c.warmstart.cache_dir = "~/.cache/gppo_jax/warmstart"
+  # Seed of the initial policy (init + warm start); None = the run's seed.
+  c.warmstart.seed = ml_collections.config_dict.placeholder(int)
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts_per_iter = 64
@@ -116,7 +118,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.advantage.filter_zero_signal = False  # DAPO dynamic sampling: drop all-equal groups
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 1e-4
+  c.optim.lr = 3e-4
   c.optim.schedule = "constant"
   c.optim.warmup_steps = 0
   c.optim.weight_decay = 0.0
@@ -130,7 +132,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.microbatches = 1
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 25
+  c.eval.every = 50
   c.eval.num_problems = 512
   c.eval.k = 4  # samples per problem for avg@k / pass@k
   c.eval.temperature = 1.0
@@ -272,7 +274,7 @@ def real_run(
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.iterations = 500
-  c.eval.every = 25
+  c.eval.every = 50
   c.eval.num_problems = 500
   c.eval.k = 4
   c.checkpoint.every = 25

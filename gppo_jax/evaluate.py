@@ -150,6 +150,9 @@ if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
 
+  from gppo_jax import sharding
+
+  sharding.maybe_initialize_distributed()  # multi-host: before the config file runs any jax code
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
   flags.DEFINE_string("workdir", None, "Run folder holding checkpoints/.")
   flags.DEFINE_string(

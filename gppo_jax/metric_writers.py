@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -27,6 +28,11 @@ def _scalar(v: Any) -> float | None:
   except (TypeError, ValueError):
     return None
   return x
+
+
+def _tb_name(key: str) -> str:
+  """TensorBoard tags allow [A-Za-z0-9_./-]: 'eval/pass@4' -> 'eval/pass_at_4'."""
+  return re.sub(r"[^\w./-]", "_", key.replace("@", "_at_"))
 
 
 class MetricWriter:
@@ -82,7 +88,7 @@ class MetricWriter:
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
       for k, v in values.items():
-        self._tb.add_scalar(k, v, int(step))
+        self._tb.add_scalar(_tb_name(k), v, int(step))
 
   def advance(self, n: int = 1) -> None:
     if self._bar is None:

@@ -77,25 +77,38 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
   return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
+_distributed_initialized = False
+
+
 def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bool:
   """Calls `jax.distributed.initialize()` when GPPO_DISTRIBUTED=1 is set (the launch scripts set
-  it on every worker of a multi-host slice). Returns whether it did.
+  it on every worker of a multi-host slice). Returns whether it did (or had already).
+
+  Entry points call it before parsing flags: a config file may compute with jax (the default
+  radii do), and the backend must not start before `jax.distributed.initialize()`.
 
   On Cloud TPU (and SLURM / Open MPI) the coordinator, process count and id are discovered
   automatically; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of process 0),
   JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
   """
+  global _distributed_initialized
   environ = os.environ if environ is None else environ
   flag = environ.get(DISTRIBUTED_ENV, "").strip().lower()
   if flag in ("", "0", "false", "no"):
     return False
+  if _distributed_initialized:
+    return True
   if flag not in ("1", "true", "yes"):
     raise ValueError(f"{DISTRIBUTED_ENV}={flag!r}; use 1 (initialize) or 0 (single process)")
+  if not environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+    # CPU processes (a laptop test of the multi-host path) talk over gloo; TPU and GPU ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   kwargs: dict[str, Any] = {}
   for env, arg, cast in _DISTRIBUTED_VARS:
     if environ.get(env):
       kwargs[arg] = cast(environ[env])
   jax.distributed.initialize(**kwargs)
+  _distributed_initialized = True
   log.info(
     "jax.distributed: process %d of %d, %d local / %d global devices",
     jax.process_index(),

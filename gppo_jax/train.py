@@ -79,7 +79,11 @@ def build_policy(config, say=print, mesh=None):
     pad_token_id=tok.pad_id,
     **overrides,
   )
-  model = model_lib.create(cfg, config.seed)
+  # The initial policy's seed (init and warm start); None = config.seed. Fixing it while seed
+  # varies repeats RL from one starting policy (benchmarks/grid.py does).
+  init_seed = config.warmstart.get("seed")
+  init_seed = config.seed if init_seed is None else int(init_seed)
+  model = model_lib.create(cfg, init_seed)
   graphdef, params = nnx.split(model)
   say(f"policy: preset {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}
@@ -87,7 +91,7 @@ def build_policy(config, say=print, mesh=None):
     from gppo_jax import warmstart
 
     params, info = warmstart.warm_start(
-      graphdef, params, env, cfg, config.warmstart, seed=config.seed, log=say
+      graphdef, params, env, cfg, config.warmstart, seed=init_seed, log=say
     )
   return graphdef, params, cfg, env, info
 
@@ -501,6 +505,7 @@ if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
 
+  sharding.maybe_initialize_distributed()  # before the config file runs any jax code
   config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:arg]).")
   flags.DEFINE_string("workdir", None, "Run folder (default ./workdirs/<config name>).")
   flags.mark_flags_as_required(["config"])

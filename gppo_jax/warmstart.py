@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -86,6 +87,7 @@ def warm_start(
         return restored, info
     except Exception as e:  # A broken cache entry is rebuilt, never trusted.
       logging.warning("warm-start cache %s unreadable (%s); retraining", path, e)
+      shutil.rmtree(path, ignore_errors=True)
 
   tx = optax.adam(ws_cfg.lr)
   opt_state = tx.init(params)
@@ -116,7 +118,10 @@ def warm_start(
     "loss": float(loss),
   }
   if path:
-    mngr = checkpointing.make_manager(path, max_to_keep=1)
-    checkpointing.save(mngr, steps, params, info, wait=True)
-    log(f"warm start: cached at {path}")
+    try:
+      mngr = checkpointing.make_manager(path, max_to_keep=1)
+      checkpointing.save(mngr, steps, params, info, wait=True)
+      log(f"warm start: cached at {path}")
+    except Exception as e:  # e.g. a parallel run cached the same entry first: train on regardless
+      logging.warning("warm start: not cached at %s (%s); continuing with this policy", path, e)
   return params, info

@@ -73,12 +73,17 @@ def test_make_mesh_resolves_the_rest_and_rejects_bad_sizes():
 
 
 def test_distributed_initialize_only_when_asked(monkeypatch):
-  calls = []
+  calls, updates = [], []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.config, "update", lambda *a: updates.append(a))
+  monkeypatch.setattr(sharding, "_distributed_initialized", False)
   assert not sharding.maybe_initialize_distributed({})
   assert not sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "0"})
   assert calls == []
   assert sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "1"})
+  assert sharding.maybe_initialize_distributed({"GPPO_DISTRIBUTED": "1"})  # once per process
+  assert calls == [{}] and updates == [("jax_cpu_collectives_implementation", "gloo")]
+  monkeypatch.setattr(sharding, "_distributed_initialized", False)
   env = {"GPPO_DISTRIBUTED": "true", "JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}
   env.update(JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
   assert sharding.maybe_initialize_distributed(env)

@@ -273,3 +273,54 @@ def test_reward_shaping_overlong_and_format():
   # Penalty min(-(L - 16) / 4, 0): 0, 0, -0.75, -1; format bonus for the closed boxes only.
   np.testing.assert_allclose(shaped, [1.1, 0.0, 1.1 - 0.75, -1.0], rtol=1e-6)
   assert m["reward/format_frac"] == 0.5
+
+
+def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, monkeypatch):
+  """The cached warm start is loaded on the next run; an entry a parallel run wrote first, or a
+  corrupt one, never stops training."""
+  from flax import nnx
+
+  from gppo_jax import model as model_lib
+  from gppo_jax import warmstart
+
+  c = load_config("kl_atomic.py", "smoke,task=add1")
+  c.warmstart.cache_dir = str(tmp_path / "cache")
+  c.warmstart.max_steps = 6
+  c.warmstart.eval_every = 3
+  env = envs.BuiltinEnv("add1", seed=0, eval_size=16)
+  tok = env.tokenizer
+  cfg = model_lib.get_preset("char-tiny", vocab_size=tok.vocab_size)
+  graphdef, params0 = nnx.split(model_lib.create(cfg, 0))
+  logs = []
+
+  def run(seed):
+    logs.clear()
+    return warmstart.warm_start(
+      graphdef, params0, env, cfg, c.warmstart, seed=seed, log=logs.append
+    )
+
+  p1, info1 = run(0)
+  assert info1["steps"] == 6 and any("cached at" in x for x in logs)
+  (entry,) = os.listdir(c.warmstart.cache_dir)
+  p2, info2 = run(0)
+  assert any("loaded cached policy" in x for x in logs) and info2["steps"] == info1["steps"]
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  run(1)  # another seed is another entry
+  assert len(os.listdir(c.warmstart.cache_dir)) == 2
+  # A corrupt entry is retrained and replaced.
+  step_dir = os.path.join(c.warmstart.cache_dir, entry, "6")
+  for root, _, files in os.walk(step_dir):
+    for f in files:
+      with open(os.path.join(root, f), "wb") as fh:
+        fh.write(b"garbage")
+  p4, info4 = run(0)
+  assert any("cached at" in x for x in logs) and info4["steps"] == 6
+  run(0)
+  assert any("loaded cached policy" in x for x in logs)
+  # A parallel run cached the same entry while this one trained: logged, training goes on.
+  monkeypatch.setattr(warmstart.checkpointing, "restore_latest", lambda *a: (None, None, None))
+  _, info5 = run(0)
+  assert info5["steps"] == 6 and not any("cached at" in x for x in logs)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # retrained, same seed
