@@ -1,5 +1,8 @@
 """Properties of divergences and per-token estimators (GPPO.md sections 2, 3 and 8)."""
 
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -332,6 +335,17 @@ class RegistryAndErrorsTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(half), 0.5 * np.asarray(full), rtol=1e-6)
     with pytest.raises(ValueError, match="already registered"):
       divergences.register("kl", lambda t: t - 1 - jnp.log(t))
+
+  def test_builtin_generators_pass_the_registration_check(self):
+    # The built-ins skip the check at import (no jax backend before jax.distributed): run it here.
+    for name in divergences.names():
+      divergences.check_generator(name, divergences.get(name).f)
+    code = (
+      "import jax._src.xla_bridge as xb, gppo_jax.train, gppo_jax.evaluate; "
+      "print(bool(xb._backends))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", "importing the entry points started a jax backend"
 
   def test_register_rejects_unnormalised_generator(self):
     with pytest.raises(ValueError, match="f\\(1\\) must be 0"):
