@@ -118,7 +118,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
   c.advantage.filter_zero_signal = False  # DAPO dynamic sampling: drop all-equal groups
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 3e-4
+  c.optim.lr = 5e-4
   c.optim.schedule = "constant"
   c.optim.warmup_steps = 0
   c.optim.weight_decay = 0.0

@@ -190,7 +190,7 @@ TASKS: dict[str, Task] = {
     ],
     [0.5, 0.5],
     "3-digit addition and subtraction (zero-padded operands), answers reversed: two difficulty "
-    "levels, subtraction the harder; the default (RL needs several minutes)",
+    "levels, subtraction the harder (the default)",
   ),
   "ops3": _mixture(
     "ops3",
@@ -200,8 +200,7 @@ TASKS: dict[str, Task] = {
       Arithmetic(3, 2, "*", True, 3, pad=True),
     ],
     [1 / 3, 1 / 3, 1 / 3],
-    "3-digit addition, subtraction and multiplication by a digit, answers reversed (harder: RL "
-    "on the 0.1M policy gains a few points in 300 iterations)",
+    "3-digit addition, subtraction and multiplication by a digit, answers reversed (harder)",
   ),
   "add3": _mixture(
     "add3",

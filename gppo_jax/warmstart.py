@@ -30,7 +30,7 @@ CACHE_VERSION = 1
 def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
   desc = {
     "version": CACHE_VERSION,
-    "task": repr(env.task),
+    "task": repr(dataclasses.replace(env.task, description="")),  # the problems, not the prose
     "model": dataclasses.asdict(model_cfg),
     "warmstart": {
       k: ws_cfg[k]
