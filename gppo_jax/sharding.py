@@ -96,10 +96,10 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
   flag = environ.get(DISTRIBUTED_ENV, "").strip().lower()
   if flag in ("", "0", "false", "no"):
     return False
-  if _distributed_initialized:
-    return True
   if flag not in ("1", "true", "yes"):
     raise ValueError(f"{DISTRIBUTED_ENV}={flag!r}; use 1 (initialize) or 0 (single process)")
+  if _distributed_initialized:
+    return True
   if not environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
     # CPU processes (a laptop test of the multi-host path) talk over gloo; TPU and GPU ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
