@@ -264,7 +264,7 @@ class MeshSampler:
 
   Every process passes the same full prompt arrays (left-padded numpy); each feeds its own rows,
   the sampler runs sharded over data x fsdp, and every process gets the full outputs back as numpy.
-  One compiled sampler is kept per (sampling params, batch size).
+  One compiled sampler (and this process's row slice) is kept per (sampling params, batch size).
   """
 
   def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any):
@@ -272,7 +272,7 @@ class MeshSampler:
     self.param_shardings = param_shardings
     self.mesh = jax.tree.leaves(param_shardings)[0].mesh
     self.batch_multiple = batch_shards(self.mesh)
-    self._compiled: dict[tuple[sampler.SamplingParams, int], Callable] = {}
+    self._compiled: dict[tuple[sampler.SamplingParams, int], tuple[Callable, slice]] = {}
 
   def __call__(
     self,
@@ -288,12 +288,10 @@ class MeshSampler:
         f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
         f"{dict(self.mesh.shape)}; use a multiple"
       )
-    fn = self._compiled.get((sampling, n))
-    if fn is None:
-      fn = self._compiled[(sampling, n)] = jit_sampler(
-        self.graphdef, sampling, self.param_shardings, n
-      )
-    rows = process_rows(n, self.mesh)
+    if (sampling, n) not in self._compiled:
+      fn = jit_sampler(self.graphdef, sampling, self.param_shardings, n)
+      self._compiled[(sampling, n)] = fn, process_rows(n, self.mesh)
+    fn, rows = self._compiled[(sampling, n)]
     dev = shard_batch(
       {"t": np.asarray(prompt_tokens)[rows], "m": np.asarray(prompt_mask)[rows]}, self.mesh
     )

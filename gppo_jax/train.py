@@ -199,6 +199,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   ref_params = jax.tree.map(jnp.copy, state.params) if config.loss.kl_coef > 0 else None
   n_rollouts = r.prompts_per_iter * r.group_size
   mesh_sampler = sharding.MeshSampler(graphdef, state_sh.params)  # rollouts and evals
+  rows = sharding.process_rows(n_rollouts, mesh)  # this host's slice of every rollout batch
+
+  def to_devices(batch):
+    return sharding.shard_batch(jax.tree.map(lambda x: x[rows], batch), mesh)
+
   update = sharded_logprobs = None  # compiled on the first batch, whose shapes they need
 
   # --- Checkpoints: resume if the workdir has one ------------------------------------------------
@@ -261,7 +266,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       rep = [p for p in prompts for _ in range(r.group_size)]
       p_tok, p_mask = sampler.left_pad([p.token_ids for p in rep], pad_id=pad_id, length=prompt_len)
       out = mesh_sampler(state.params, p_tok, p_mask, jax.random.fold_in(key, 0), sampling)
-      rows = sharding.process_rows(n_rollouts, mesh)  # this host's slice of the batch
       texts = evaluate.decode_responses(tok, out.tokens, out.mask, stop_ids)
       t_rollout = time.time() - t0
       rewards, valid, reward_metrics = env.score(texts, rep)
@@ -301,9 +305,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         batch_sh = sharding.batch_shardings(batch, mesh)
         update = sharding.jit_update(update_fn, state_sh, batch_sh)
         sharded_logprobs = sharding.jit_logprobs(logprob_fn, state_sh.params, batch_sh)
-
-      def to_devices(batch, rows=rows):
-        return sharding.shard_batch(jax.tree.map(lambda x: x[rows], batch), mesh)
 
       if r.recompute_logprobs or ref_params is not None:
         batch_dev = to_devices(batch)
@@ -495,7 +496,6 @@ def main(argv):
 
   if flags.FLAGS["verbosity"].using_default_value:
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and JAX are chatty at INFO.
-  sharding.maybe_initialize_distributed()  # multi-host slices (GPPO_DISTRIBUTED=1)
   config = flags.FLAGS.config
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(path))
