@@ -46,17 +46,22 @@ def command(cell: str, seed: int, workdir: str, overrides: list[str]) -> list[st
   return cmd + [f"--config.{o}" for o in overrides]
 
 
-def run_one(cell: str, seed: int, out: str, overrides: list[str]) -> dict:
+def run_one(cell: str, seed: int, out: str, overrides: list[str], reuse: bool = False) -> dict:
   workdir = os.path.join(out, f"{cell}_s{seed}")
-  t0 = time.time()
-  with open(workdir + ".log", "w") as log:
-    proc = subprocess.run(
-      command(cell, seed, workdir, overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
-    )
-  row = {"cell": cell, "seed": seed, "seconds": time.time() - t0, "returncode": proc.returncode}
-  if proc.returncode:
-    row["error"] = f"exit {proc.returncode}; see {workdir}.log"
-    return row
+  done = os.path.join(workdir, "summary.json")
+  if reuse and os.path.exists(done):
+    row = {"cell": cell, "seed": seed, "returncode": 0, "reused": True}
+    row["seconds"] = json.load(open(done)).get("seconds", float("nan"))
+  else:
+    t0 = time.time()
+    with open(workdir + ".log", "w") as log:
+      proc = subprocess.run(
+        command(cell, seed, workdir, overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+      )
+    row = {"cell": cell, "seed": seed, "seconds": time.time() - t0, "returncode": proc.returncode}
+    if proc.returncode:
+      row["error"] = f"exit {proc.returncode}; see {workdir}.log"
+      return row
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   lines = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
   evals = [x["eval/accuracy"] for x in lines if "eval/accuracy" in x]
@@ -67,6 +72,10 @@ def run_one(cell: str, seed: int, out: str, overrides: list[str]) -> dict:
     before=summary["initial_eval"]["eval/accuracy"],
     after=final["eval/accuracy"],
     best=max(evals),
+    # Mean held-out accuracy over the evals after the first: the area under the learning curve,
+    # steadier across seeds than the last point alone.
+    mean_curve=sum(evals[1:]) / max(len(evals) - 1, 1),
+    curve=evals,
     masked_late=sum(tail) / max(len(tail), 1),
     levels={
       k.split("/")[1]: v
@@ -78,28 +87,42 @@ def run_one(cell: str, seed: int, out: str, overrides: list[str]) -> dict:
   return row
 
 
+def _mean_sd(v: list[float]) -> str:
+  m = sum(v) / len(v)
+  sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+  return f"{100 * m:.1f} ± {100 * sd:.1f}"
+
+
 def table(rows: list[dict]) -> str:
   lines = [
-    "| cell | seed | before | after | gain | best | masked (late) | seconds |",
-    "|---|---|---|---|---|---|---|---|",
+    "| cell | seed | before | after | gain | best | curve mean | masked (late) | seconds |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['cell']} | {r['seed']} | {r['error']} |||||")
+      lines.append(f"| {r['cell']} | {r['seed']} | {r['error']} ||||||")
       continue
     lines.append(
       f"| {r['cell']} | {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | "
-      f"{100 * (r['after'] - r['before']):+.1f} | {r['best']:.3f} | "
+      f"{100 * (r['after'] - r['before']):+.1f} | {r['best']:.3f} | {r['mean_curve']:.3f} | "
       f"{100 * r['masked_late']:.2f}% | {r['seconds']:.0f} |"
     )
-  by_cell: dict[str, list[float]] = {}
+  by_cell: dict[str, list[dict]] = {}
   for r in rows:
     if "error" not in r:
-      by_cell.setdefault(r["cell"], []).append(r["after"])
+      by_cell.setdefault(r["cell"], []).append(r)
   if any(len(v) > 1 for v in by_cell.values()):
-    lines += ["", "| cell | mean after | min | max | seeds |", "|---|---|---|---|---|"]
-    for cell, v in by_cell.items():
-      lines.append(f"| {cell} | {sum(v) / len(v):.3f} | {min(v):.3f} | {max(v):.3f} | {len(v)} |")
+    lines += [
+      "",
+      "| cell | after (mean ± sd, %) | min | max | curve mean (mean ± sd, %) | seeds |",
+      "|---|---|---|---|---|---|",
+    ]
+    for cell, rs in by_cell.items():
+      after = [r["after"] for r in rs]
+      lines.append(
+        f"| {cell} | {_mean_sd(after)} | {100 * min(after):.1f} | {100 * max(after):.1f} | "
+        f"{_mean_sd([r['mean_curve'] for r in rs])} | {len(rs)} |"
+      )
   return "\n".join(lines)
 
 
@@ -110,6 +133,9 @@ def main() -> None:
   p.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses ~1.5 cores)")
   p.add_argument("--set", action="append", default=[], help="config override, e.g. optim.lr=3e-4")
   p.add_argument("--out", default=os.path.join(REPO, "workdirs", "grid"))
+  p.add_argument(
+    "--reuse", action="store_true", help="read runs whose summary.json exists instead of rerunning"
+  )
   a = p.parse_args()
   cells = [c.strip() for c in a.cells.split(",") if c.strip()]
   unknown = [
@@ -125,10 +151,10 @@ def main() -> None:
   os.makedirs(a.out, exist_ok=True)
   jobs = [(c, s) for s in seeds for c in cells]
   print(f"{len(jobs)} runs, {a.jobs} at a time; overrides {a.set}; logs under {a.out}", flush=True)
-  rows = [run_one(*jobs[0], a.out, a.set)]  # alone: it trains and caches the warm start
+  rows = [run_one(*jobs[0], a.out, a.set, a.reuse)]  # alone: it trains and caches the warm start
   print(table(rows[-1:]).splitlines()[-1], flush=True)
   with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
-    futures = [pool.submit(run_one, c, s, a.out, a.set) for c, s in jobs[1:]]
+    futures = [pool.submit(run_one, c, s, a.out, a.set, a.reuse) for c, s in jobs[1:]]
     for f in concurrent.futures.as_completed(futures):
       rows.append(f.result())
       print(table(rows[-1:]).splitlines()[-1], flush=True)

@@ -9,7 +9,6 @@ config's held-out set and prints a JSON report with the decoding settings.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Sequence
 
 import jax
@@ -138,6 +137,7 @@ def main(argv):
 
   from gppo_jax import train
 
+  train.quiet_libraries(flags.FLAGS)
   cfg = flags.FLAGS.config
   workdir = flags.FLAGS.workdir or train.default_workdir(
     config_flags.get_config_filename(flags.FLAGS["config"])
@@ -161,5 +161,4 @@ if __name__ == "__main__":
     "'latest' (in --workdir), 'init' (initial policy), another run's workdir, or an HF folder.",
   )
   flags.mark_flags_as_required(["config"])
-  logging.getLogger("absl").setLevel(logging.INFO)
   app.run(main)

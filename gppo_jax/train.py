@@ -488,14 +488,25 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   }
 
 
+def quiet_libraries(flag_values) -> None:
+  """Orbax and JAX log every checkpoint step at INFO: show WARNING and up from them, INFO from us.
+
+  absl rewrites an unset --verbosity to INFO once flags are parsed, so `present` (given on the
+  command line), not `using_default_value`, says whether the user asked for a level.
+  """
+  from absl import logging as absl_logging
+
+  if not flag_values["verbosity"].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    log.setLevel(logging.INFO)  # the resolved config, the policy summary
+
+
 def main(argv):
   del argv
   from absl import flags
-  from absl import logging as absl_logging
   from ml_collections import config_flags
 
-  if flags.FLAGS["verbosity"].using_default_value:
-    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and JAX are chatty at INFO.
+  quiet_libraries(flags.FLAGS)
   config = flags.FLAGS.config
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(path))

@@ -87,11 +87,19 @@ def runs(tmp_path_factory):
   outs = _two_processes(str(root / "two"))
   out_one = one.communicate(timeout=900)[0]
   assert one.returncode == 0, out_one[-4000:]
-  return root, outs
+  return root, outs, out_one
+
+
+def test_command_line_shows_our_logs_not_orbax_info(runs):
+  *_, out_one = runs
+  assert "resolved config:" in out_one and "held-out greedy accuracy" in out_one
+  # absl turns an unset --verbosity into INFO after parsing; Orbax's per-save INFO lines must not
+  # interleave with the progress bar.
+  assert "checkpoint_manager.py" not in out_one, out_one[-3000:]
 
 
 def test_two_processes_match_one(runs):
-  root, outs = runs
+  root, outs, _ = runs
   one, two = _metrics(str(root / "one")), _metrics(str(root / "two"))
   assert [x["step"] for x in two] == [x["step"] for x in one] == [0, 1, 2]
   for a, b in zip(one, two, strict=True):
@@ -107,7 +115,7 @@ def test_two_processes_match_one(runs):
 
 
 def test_two_processes_resume_jointly(runs):
-  root, _ = runs
+  root, *_ = runs
   _two_processes(str(root / "two"), "--config.iterations=3")
   steps = [x["step"] for x in _metrics(str(root / "two"))]
   assert steps == [0, 1, 2, 3]  # resumed at 2: no iteration repeated, none lost
