@@ -76,6 +76,7 @@ def run_one(cell: str, seed: int, out: str, overrides: list[str], reuse: bool = 
     # steadier across seeds than the last point alone.
     mean_curve=sum(evals[1:]) / max(len(evals) - 1, 1),
     curve=evals,
+    curve_steps=[x["step"] for x in lines if "eval/accuracy" in x],
     masked_late=sum(tail) / max(len(tail), 1),
     levels={
       k.split("/")[1]: v
@@ -123,7 +124,22 @@ def table(rows: list[dict]) -> str:
         f"| {cell} | {_mean_sd(after)} | {100 * min(after):.1f} | {100 * max(after):.1f} | "
         f"{_mean_sd([r['mean_curve'] for r in rs])} | {len(rs)} |"
       )
+    lines += _curve_table(by_cell)
   return "\n".join(lines)
+
+
+def _curve_table(by_cell: dict[str, list[dict]]) -> list[str]:
+  """Held-out accuracy at each eval, averaged over seeds: where the cells part ways."""
+  n = min(len(r.get("curve", [])) for rs in by_cell.values() for r in rs)
+  if n < 2:
+    return []
+  steps = next(r for rs in by_cell.values() for r in rs).get("curve_steps", list(range(n)))
+  lines = ["", "| iteration | " + " | ".join(str(x) for x in steps[:n]) + " |"]
+  lines.append("|---" * (n + 1) + "|")
+  for cell, rs in by_cell.items():
+    means = [sum(r["curve"][i] for r in rs) / len(rs) for i in range(n)]
+    lines.append(f"| {cell} | " + " | ".join(f"{100 * m:.1f}" for m in means) + " |")
+  return lines
 
 
 def main() -> None:
