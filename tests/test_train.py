@@ -115,20 +115,28 @@ def test_builtin_tasks_split_and_score(name):
     tasks.get("chess")
 
 
-def test_gradient_accumulation_gives_the_same_update():
-  env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
+def tiny_policy_and_tokens(n: int, seed: int):
+  """A fresh char-tiny policy for add_rev3 and n random prompts and responses (token ids >= 3);
+  returns env, graphdef, params, prompts, responses and the rng for further draws."""
   from flax import nnx
 
   from gppo_jax import model as model_lib
 
+  env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
   cfg = model_lib.get_preset("char-tiny", vocab_size=env.tokenizer.vocab_size)
   graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-  rng = np.random.default_rng(0)
-  n, r = 16, env.max_new_tokens
+  rng = np.random.default_rng(seed)
   p_tok = rng.integers(3, cfg.vocab_size, (n, env.max_prompt_len)).astype(np.int32)
+  resp = rng.integers(3, cfg.vocab_size, (n, env.max_new_tokens)).astype(np.int32)
+  return env, graphdef, params, p_tok, resp, rng
+
+
+def test_gradient_accumulation_gives_the_same_update():
+  n = 16
+  env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=0)
+  r = env.max_new_tokens
   p_mask = np.ones_like(p_tok, bool)
   p_mask[::3, :2] = False
-  resp = rng.integers(3, cfg.vocab_size, (n, r)).astype(np.int32)
   resp_mask = np.arange(r)[None] < rng.integers(1, r + 1, (n, 1))
   batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
   batch.update(
@@ -160,19 +168,11 @@ def test_gradient_accumulation_gives_the_same_update():
 def test_trust_region_slows_how_far_one_iteration_moves_the_policy():
   """32 steps on one on-policy batch: with KL-Atomic the policy stays nearer the behaviour
   policy; with an infinite radius (no trust region) it drifts about twice as far."""
-  from flax import nnx
-
   from gppo_jax import estimators
-  from gppo_jax import model as model_lib
 
-  env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
-  cfg = model_lib.get_preset("char-tiny", vocab_size=env.tokenizer.vocab_size)
-  graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-  rng = np.random.default_rng(1)
-  n, r = 32, env.max_new_tokens
-  p_tok = rng.integers(3, cfg.vocab_size, (n, env.max_prompt_len)).astype(np.int32)
-  resp = rng.integers(3, cfg.vocab_size, (n, r)).astype(np.int32)
-  mask = np.ones((n, r), bool)
+  n = 32
+  env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=1)
+  mask = np.ones(resp.shape, bool)
   batch = train_step.build_sequences(p_tok, np.ones_like(p_tok, bool), resp, mask)
   logprobs = train_step.make_logprob_fn(graphdef, prompt_len=env.max_prompt_len, temperature=1.0)
   logq = logprobs(params, batch)  # on-policy: the behaviour policy is the current one
