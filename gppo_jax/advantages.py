@@ -20,6 +20,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from gppo_jax import errors
+
 Array = jax.Array
 AdvantageFn = Callable[..., Array]
 
@@ -98,7 +100,7 @@ def names() -> list[str]:
 
 def get(name: str) -> AdvantageFn:
   if name not in _REGISTRY:
-    raise ValueError(f"unknown advantage estimator {name!r}; valid names: {', '.join(names())}")
+    raise errors.unknown_name("advantage estimator", name, names())
   return _REGISTRY[name]
 
 

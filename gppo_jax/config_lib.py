@@ -3,14 +3,21 @@
 `get_config(arg)` in every config file accepts a comma-separated argument string:
   smoke         a seconds-long run of every stage (tests, first try on a new machine)
   task=NAME     another built-in task (see gppo_jax.tasks.TASKS)
-Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
+(the real-run configs also take a hardware variant, REAL_RUN_VARIANTS); any other argument is an
+error. Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
+`validate(config)` checks every field's type and range before anything is built.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
+
 import ml_collections
 
-from gppo_jax import presets
+from gppo_jax import errors, presets
 
 REQUIRED = {
   "task": ("name",),
@@ -23,20 +30,54 @@ REQUIRED = {
 }
 
 
-def parse_arg(arg: str | None) -> dict[str, str]:
+# Config-file arguments: name -> whether it takes a value (`task=NAME`) or is a switch (`smoke`).
+BASE_ARGS: dict[str, bool] = {"smoke": False, "task": True}
+
+
+def _describe_args(valid: Mapping[str, bool]) -> str:
+  return ", ".join(f"{k}=NAME" if takes_value else k for k, takes_value in valid.items())
+
+
+def parse_arg(arg: str | None, valid: Mapping[str, bool] = BASE_ARGS) -> dict[str, str]:
+  """`'smoke,task=add1'` -> {'smoke': '1', 'task': 'add1'}; ConfigError for anything not in
+  `valid` (name -> takes a value), so that a typo such as `:smok` is not silently ignored."""
   out = {}
   for part in (arg or "").split(","):
     part = part.strip()
     if not part:
       continue
-    key, _, value = part.partition("=")
+    key, eq, value = (s.strip() for s in part.partition("="))
+    if key not in valid:
+      close = difflib.get_close_matches(key, list(valid), n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      where = f" in {arg!r}" if arg.strip() != part else ""
+      raise errors.ConfigError(
+        f"unknown config argument {key!r}{where}{hint}; valid: {_describe_args(valid)}"
+      )
+    if valid[key] and not value:
+      raise errors.ConfigError(f"config argument {key!r} needs a value: {key}=NAME")
+    if not valid[key] and eq:
+      raise errors.ConfigError(f"config argument {key!r} takes no value, got {part!r}")
     out[key] = value or "1"
   return out
 
 
-def base(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The shared base: KL-Atomic on the built-in arithmetic task with a tiny warm-started policy."""
-  args = parse_arg(arg)
+def _task_arg(args: Mapping[str, str]) -> str:
+  from gppo_jax import tasks  # numpy only
+
+  name = args.get("task", "addsub3")
+  if name not in tasks.TASKS:
+    raise errors.unknown_name("built-in task", name, tasks.TASKS, " (config argument task=NAME)")
+  return name
+
+
+def base(
+  arg: str | None = None, *, extra_args: Mapping[str, bool] | None = None
+) -> ml_collections.ConfigDict:
+  """The shared base: KL-Atomic on the built-in arithmetic task with a tiny warm-started policy.
+
+  `arg` is the config-file argument (BASE_ARGS, plus `extra_args` that the caller handles)."""
+  args = parse_arg(arg, {**BASE_ARGS, **(extra_args or {})})
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.iterations = 400  # RL iterations: rollout + update each.
@@ -44,7 +85,7 @@ def base(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict()
   # Built-in task (gppo_jax.tasks.TASKS), used when data.train_path is None.
-  c.task.name = args.get("task", "addsub3")
+  c.task.name = _task_arg(args)
 
   # Real data (JSONL / Parquet files); see README "Data files".
   c.data = ml_collections.ConfigDict()
@@ -180,9 +221,15 @@ def use_settings(
   return c
 
 
-def cell(divergence: str, estimator: str, arg: str | None = None) -> ml_collections.ConfigDict:
+def cell(
+  divergence: str,
+  estimator: str,
+  arg: str | None = None,
+  *,
+  extra_args: Mapping[str, bool] | None = None,
+) -> ml_collections.ConfigDict:
   """A grid cell: the base config with the cell's divergence, estimator and default delta."""
-  return use_settings(base(arg), presets.cell(divergence, estimator))
+  return use_settings(base(arg, extra_args=extra_args), presets.cell(divergence, estimator))
 
 
 def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -190,8 +237,98 @@ def preset(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
   return use_settings(base(arg), presets.get(name))
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class _Checks:
+  """Collects `field=value: must be ...` problems; NaN fails every range (comparisons are False)."""
+
+  def __init__(self, c: ml_collections.ConfigDict):
+    self.c = c
+    self.problems: list[str] = []
+
+  def value(self, field: str):
+    node = self.c
+    for part in field.split("."):
+      node = node[part]
+    return node
+
+  def bad(self, field: str, want: str) -> None:
+    self.problems.append(f"{field}={self.value(field)!r}: must be {want}")
+
+  def integer(self, field: str, lo: int, hi: int | None = None, *, none_ok: bool = False) -> None:
+    x = self.value(field)
+    if x is None and none_ok:
+      return
+    ok = _is_int(x) and lo <= x and (hi is None or x <= hi)
+    if not ok:
+      want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+      self.bad(field, want + (" or None" if none_ok else ""))
+
+  def number(
+    self,
+    field: str,
+    lo: float,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    finite: bool = True,
+    none_ok: bool = False,
+    note: str = "",
+  ) -> None:
+    x = self.value(field)
+    if x is None and none_ok:
+      return
+    ok = _is_num(x) and (lo < x if lo_open else lo <= x)
+    ok = ok and (hi is None or (x < hi if hi_open else x <= hi))
+    ok = ok and (math.isfinite(x) or not finite)
+    if not ok:
+      if hi is None:
+        want = f"{'a finite' if finite else 'a'} number {'>' if lo_open else '>='} {lo:g}"
+      else:
+        want = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+      self.bad(field, want + (" or None" if none_ok else "") + note)
+
+  def choice(self, field: str, choices) -> None:
+    if self.value(field) not in choices:
+      self.bad(field, "one of " + ", ".join(map(str, choices)))
+
+  def flag(self, field: str) -> None:
+    if not isinstance(self.value(field), bool):
+      self.bad(field, "True or False")
+
+  def text(self, field: str, *, none_ok: bool = False, empty_ok: bool = False) -> None:
+    x = self.value(field)
+    if x is None and none_ok:
+      return
+    if not isinstance(x, str) or not (x or empty_ok):
+      self.bad(field, "a " + ("" if empty_ok else "non-empty ") + "string" + (" or None" * none_ok))
+
+
+def _registry_name(field: str, lookup, name) -> None:
+  """Looks `name` up in a registry; the UnknownNameError names the config field."""
+  try:
+    lookup(name)
+  except errors.UnknownNameError as e:
+    raise errors.UnknownNameError(
+      f"{field}: {e}", kind=e.kind, name=e.name, choices=e.choices
+    ) from None
+  except errors.ConfigError as e:
+    raise errors.ConfigError(f"{field}: {e}") from None
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming every missing or invalid field of a config."""
+  """Raises a ConfigError (a ValueError) naming every missing or invalid field of a config.
+
+  Runs before anything is built (warm start, model load, data): names are checked against the
+  registries and every numeric field against its valid range (NaN never passes).
+  """
   missing = []
   for section, fields in REQUIRED.items():
     if section not in c:
@@ -199,35 +336,132 @@ def validate(c: ml_collections.ConfigDict) -> None:
       continue
     missing += [f"{section}.{f}" for f in fields if f not in c[section]]
   if missing:
-    raise ValueError(f"config is missing required fields: {', '.join(missing)}")
+    raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax import advantages, divergences, estimators, objective
+  from gppo_jax import advantages, divergences, envs, estimators, objective, tasks
+  from gppo_jax import model as model_lib
 
-  divergences.get(c.loss.divergence)
-  estimators.get(c.loss.estimator)
-  advantages.get(c.advantage.name)
-  if c.loss.aggregation not in objective.AGGREGATIONS:
-    raise ValueError(
-      f"loss.aggregation={c.loss.aggregation!r}; valid: {', '.join(objective.AGGREGATIONS)}"
+  _registry_name("loss.divergence", divergences.get, c.loss.divergence)
+  _registry_name("loss.estimator", estimators.get, c.loss.estimator)
+  _registry_name("advantage.name", advantages.get, c.advantage.name)
+  _registry_name("task.name", tasks.get, c.task.name)
+  if c.model.preset not in model_lib.PRESETS:  # model.get_preset raises a plain ValueError
+    raise errors.unknown_name(
+      "model preset", c.model.preset, sorted(model_lib.PRESETS), " (model.preset)"
     )
-  for name in ("delta_low", "delta_high"):
-    if not c.loss[name] > 0:
-      raise ValueError(f"loss.{name} must be > 0, got {c.loss[name]}")
+
+  k = _Checks(c)
+  k.integer("seed", -(2**63))
+  k.integer("iterations", 1)
+  k.integer("log_every", 1)
+  # Data files.
+  k.choice("data.kind", ("math", "code"))
+  for field in ("data.train_path", "data.eval_path", "data.system_prompt", "data.instruction"):
+    k.text(field, none_ok=True)
+  for field in ("data.prompt_field", "data.answer_field", "data.tests_field"):
+    k.text(field)
+  k.integer("data.max_prompt_tokens", 1)
+  k.integer("data.verifier_workers", 1)
+  k.number("data.verifier_timeout_s", 0, lo_open=True)
+  # Model.
+  k.text("model.path", none_ok=True)
+  k.choice("model.dtype", tuple(model_lib.DTYPES))
+  k.choice("model.param_dtype", tuple(model_lib.DTYPES))
+  k.flag("model.export_hf")
+  # Warm start of the built-in policy.
+  k.flag("warmstart.enabled")
+  k.number("warmstart.target_accuracy", 0, 1)
+  k.integer("warmstart.max_steps", 0)
+  k.integer("warmstart.eval_every", 1)
+  k.integer("warmstart.eval_size", 1)
+  k.integer("warmstart.batch_size", 1)
+  k.number("warmstart.lr", 0, lo_open=True)
+  k.text("warmstart.cache_dir", empty_ok=True)
+  k.integer("warmstart.seed", -(2**63), none_ok=True)
+  # Rollouts.
+  k.integer("rollout.prompts_per_iter", 1)
+  k.integer("rollout.group_size", 2)  # group-relative advantages need two responses per prompt
+  k.integer("rollout.max_new_tokens", 1)
+  k.number("rollout.temperature", 0, lo_open=True)
+  k.number("rollout.top_p", 0, 1, lo_open=True)
+  k.integer("rollout.top_k", 0)
+  k.integer("rollout.num_topk", 0)
+  k.flag("rollout.recompute_logprobs")
+  # Loss.
+  for field in ("loss.delta_low", "loss.delta_high"):
+    k.number(field, 0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
+  k.choice("loss.aggregation", objective.AGGREGATIONS)
+  k.integer("loss.max_len", 1, none_ok=True)
+  k.number("loss.ratio_cap", 1, none_ok=True, note=" (cap on the importance weight)")
+  k.number("loss.dual_clip", 1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")
+  k.number("loss.kl_coef", 0)
+  k.number("loss.entropy_coef", 0)
+  # Reward shaping.
+  k.number("reward.format_coef", 0, note=" (0 = off)")
+  if _is_int(c.rollout.max_new_tokens):
+    longest = c.rollout.max_new_tokens
+    if c.data.train_path is None and c.task.name in tasks.TASKS:  # built-in answers are short
+      longest = min(longest, tasks.get(c.task.name).max_answer_len + 1)
+    k.integer("reward.overlong_buffer", 0, longest)
+  # Advantages.
+  k.number("advantage.eps", 0, lo_open=True, note=" (all-equal groups divide by std + eps)")
+  k.choice("advantage.ddof", (0, 1))
+  k.flag("advantage.filter_zero_signal")
+  # Optimizer.
+  k.number("optim.lr", 0, lo_open=True)
+  k.choice("optim.schedule", ("constant", "cosine", "linear"))
+  k.integer("optim.warmup_steps", 0)
+  k.number("optim.weight_decay", 0)
+  k.number("optim.b1", 0, 1, hi_open=True)
+  k.number("optim.b2", 0, 1, hi_open=True)
+  k.number("optim.grad_clip", 0, none_ok=True, note=" (0 or None = no clipping)")
+  # Update, evaluation, checkpoints.
+  for field in ("train.epochs", "train.minibatches", "train.microbatches"):
+    k.integer(field, 1)
+  k.integer("eval.every", 1)
+  k.integer("eval.num_problems", 1)
+  k.integer("eval.k", 0)
+  k.number("eval.temperature", 0, lo_open=True)
+  k.number("eval.top_p", 0, 1, lo_open=True)
+  k.integer("checkpoint.every", 1)
+  k.integer("checkpoint.keep", 1)
+  # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
+  for axis in c.mesh.keys():
+    x = c.mesh[axis]
+    if not (_is_int(x) and (x >= 1 or x == -1)):
+      k.bad(f"mesh.{axis}", "an integer >= 1 or -1 (the remaining devices)")
+  if list(c.mesh.values()).count(-1) > 1:
+    k.problems.append(f"mesh={dict(c.mesh)}: at most one axis may be -1")
+  if isinstance(c.data.eval_path, str):
+    try:
+      envs.parse_eval_paths(c.data.eval_path)
+    except errors.ConfigError as e:
+      k.problems.append(str(e))
+  if k.problems:
+    raise errors.ConfigError("invalid config: " + "; ".join(k.problems))
+
+  # Relations between fields (each of them valid on its own).
   r, u = c.rollout, c.train
   n = r.prompts_per_iter * r.group_size
-  if r.group_size < 2:
-    raise ValueError("rollout.group_size must be >= 2 for group-relative advantages")
   if n % (u.minibatches * u.microbatches):
-    raise ValueError(
+    raise errors.ConfigError(
       f"rollout.prompts_per_iter * rollout.group_size = {n} must be divisible by "
       f"train.minibatches * train.microbatches = {u.minibatches * u.microbatches}"
     )
   if c.loss.estimator == "topk" and not r.num_topk:
-    raise ValueError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
+    raise errors.ConfigError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
   if c.loss.estimator == "exact":
-    raise ValueError("loss.estimator='exact' is a diagnostic, not a trust region for training")
+    raise errors.ConfigError(
+      "loss.estimator='exact' is a diagnostic, not a trust region for training"
+    )
   if c.data.train_path is None and c.model.path is not None:
-    raise ValueError("model.path is set but data.train_path is not: a real model needs real data")
+    raise errors.ConfigError(
+      "model.path is set but data.train_path is not: a real model needs real data"
+    )
+  if c.data.train_path is None and c.data.eval_path is not None:
+    raise errors.ConfigError(
+      "data.eval_path is set but data.train_path is not: the built-in task has its own eval set"
+    )
 
 
 # Hardware variants of the real-run configs (configs/qwen25_math_7b.py, configs/qwen3_8b.py).
@@ -245,12 +479,15 @@ def real_run(
 ) -> ml_collections.ConfigDict:
   """KL-Atomic GPPO on a local Hugging Face checkpoint with math data, for a TPU v5p-64 slice or
   an 8-GPU host: `arg` picks the variant (v5p64 | gpu8; default v5p64) plus `smoke` etc."""
-  args = parse_arg(arg)
+  variants = dict.fromkeys(REAL_RUN_VARIANTS, False)
+  args = parse_arg(arg, {**BASE_ARGS, **variants})
   names = [k for k in args if k in REAL_RUN_VARIANTS] or ["v5p64"]
   if len(names) > 1:
-    raise ValueError(f"pick one hardware variant, got {names}; valid: {sorted(REAL_RUN_VARIANTS)}")
+    raise errors.ConfigError(
+      f"pick one hardware variant, got {names} in {arg!r}; valid: {', '.join(REAL_RUN_VARIANTS)}"
+    )
   v = REAL_RUN_VARIANTS[names[0]]
-  c = cell("kl", "atomic", arg)
+  c = cell("kl", "atomic", arg, extra_args=variants)
   c.model.preset = preset  # same shapes; used by gppo_jax.plan when model.path is absent
   c.model.path = path
   c.model.dtype = "bfloat16"  # compute; master weights and Adam moments stay float32

@@ -20,6 +20,8 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from gppo_jax import errors
+
 logger = logging.getLogger(__name__)
 
 TASKS = ("math", "code")
@@ -27,8 +29,8 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 ROLES = ("system", "user", "assistant")
 
 
-class DataError(ValueError):
-  """A dataset file or row is malformed; the message names the file and line."""
+# A dataset file or row is malformed; the message names the file and line (a UserError).
+DataError = errors.DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +83,23 @@ def read_rows(path: str) -> Iterator[tuple[str, dict]]:
   """
   if not os.path.exists(path):
     raise DataError(f"{path}: no such file")
+  if os.path.isdir(path):
+    raise DataError(f"{path}: is a folder; expected a .jsonl or .parquet file")
   if path.endswith(".parquet"):
     yield from _read_parquet(path)
     return
   found = False
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      loc = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(
+          f"{loc}: not UTF-8 text ({e.reason}); expected JSON lines or a .parquet file"
+        ) from None
       if not line.strip():
         continue
-      loc = f"{path}:{lineno}"
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
@@ -226,7 +236,7 @@ def load_dataset(
   limit: keep only the first `limit` rows (before length filtering).
   """
   if task not in TASKS:
-    raise ValueError(f"unknown task {task!r}; valid: {TASKS}")
+    raise errors.ConfigError(f"unknown data kind {task!r}; valid: {', '.join(TASKS)}")
   if max_prompt_tokens is not None and encode is None:
     raise ValueError("max_prompt_tokens needs an encode function")
   examples: list[Example] = []
@@ -290,7 +300,13 @@ def load_dataset(
       max_prompt_tokens,
     )
   if not examples:
-    raise DataError(f"{path}: no rows left after filtering ({num_rows} read)")
+    why = ""
+    if num_dropped:
+      why = (
+        f"; all {num_dropped} prompts are over max_prompt_tokens={max_prompt_tokens} tokens "
+        "(raise data.max_prompt_tokens)"
+      )
+    raise DataError(f"{path}: no rows left after filtering ({num_rows} read{why})")
   return Dataset(path, examples, num_rows, num_dropped)
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from gppo_jax import errors
+
 Array = jax.Array
 
 # Log-ratios are clipped here before exponentiation in generic code paths: e^40 ~ 2.4e17, so even a
@@ -257,9 +259,11 @@ def get(name: str | Divergence) -> Divergence:
     try:
       value = float(name.split(":", 1)[1])
     except ValueError:
-      raise ValueError(f"bad alpha divergence name {name!r}; expected e.g. 'alpha:0.5'") from None
+      raise errors.ConfigError(
+        f"bad alpha divergence name {name!r}; expected e.g. 'alpha:0.5'"
+      ) from None
     return alpha(value)
-  raise ValueError(f"unknown divergence {name!r}; valid names: {', '.join(names())} or 'alpha:<a>'")
+  raise errors.unknown_name("divergence", name, names(), " or 'alpha:<a>'")
 
 
 def names() -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gppo_jax import tasks
+from gppo_jax import errors, tasks
 
 
 @dataclasses.dataclass
@@ -43,11 +43,11 @@ def parse_eval_paths(spec: str | None) -> list[tuple[str, str]]:
     if not sep:
       path, name = item, os.path.splitext(os.path.basename(item))[0]
     if not name or not path:
-      raise ValueError(f"data.eval_path item {item!r}: expected NAME=PATH or PATH")
+      raise errors.ConfigError(f"data.eval_path item {item!r}: expected NAME=PATH or PATH")
     out.append((name, path))
   names = [n for n, _ in out]
   if len(set(names)) != len(names):
-    raise ValueError(f"data.eval_path names must be unique, got {names}")
+    raise errors.ConfigError(f"data.eval_path names must be unique, got {names}")
   return out
 
 
@@ -128,7 +128,7 @@ class DataEnv:
     self.tokenizer = tokenizer
     self.kind = data_cfg.kind
     if self.kind not in ("math", "code"):
-      raise ValueError(f"data.kind must be 'math' or 'code', got {self.kind!r}")
+      raise errors.ConfigError(f"data.kind={self.kind!r}; valid: math, code")
     fields = data_lib.Fields(
       prompt=data_cfg.prompt_field, answer=data_cfg.answer_field, tests=data_cfg.tests_field
     )
@@ -155,6 +155,11 @@ class DataEnv:
       check_answers=check,
     )
     train = data_lib.load_dataset(data_cfg.train_path, **load)
+    if len(train.examples) < batch_size:
+      raise errors.DataError(
+        f"{data_cfg.train_path}: {len(train.examples)} usable prompts, fewer than "
+        f"rollout.prompts_per_iter={batch_size} drawn per iteration"
+      )
     self._iter = data_lib.PromptIterator(train.examples, batch_size, seed=seed)
     self._eval = []
     for name, path in parse_eval_paths(data_cfg.eval_path):
@@ -257,7 +262,9 @@ def make_env(config, tokenizer=None) -> Env:
   if config.data.train_path is None:
     return BuiltinEnv(config.task.name, seed=config.seed, eval_size=config.eval.num_problems)
   if tokenizer is None:
-    raise ValueError("data files need the model's tokenizer (model.path)")
+    raise errors.ConfigError(
+      "data.train_path is set but model.path is not: data files need the model's tokenizer"
+    )
   return DataEnv(
     config.data,
     tokenizer,

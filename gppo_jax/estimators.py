@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gppo_jax import divergences as divs
+from gppo_jax import errors
 
 Array = jax.Array
 EstimatorFn = Callable[..., Array]
@@ -216,7 +217,7 @@ def get(name: str | EstimatorFn) -> EstimatorFn:
   if callable(name):
     return name
   if name not in _REGISTRY:
-    raise ValueError(f"unknown estimator {name!r}; valid names: {', '.join(names())}")
+    raise errors.unknown_name("estimator", name, names())
   return _REGISTRY[name]
 
 

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from gppo_jax import partitioning
+from gppo_jax import errors, partitioning
 from gppo_jax.model import ModelConfig, Transformer, config_from_hf, config_to_hf
 
 CONFIG_FILE = "config.json"
@@ -140,14 +140,33 @@ def _hf_names(spec: _Spec, cfg: ModelConfig) -> list[str]:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-  """The parsed config.json of a checkpoint folder (FileNotFoundError naming the file)."""
-  f = Path(path) / CONFIG_FILE
+  """The parsed config.json of a checkpoint folder (a UserError naming the file if bad)."""
+  path = Path(path)
+  if not path.is_dir():
+    raise errors.MissingFileError(f"{path}: no such folder (a Hugging Face checkpoint folder)")
+  f = path / CONFIG_FILE
   if not f.is_file():
-    raise FileNotFoundError(f"{f}: missing; a Hugging Face checkpoint folder needs config.json")
+    raise errors.MissingFileError(
+      f"{f}: missing; a Hugging Face checkpoint folder needs config.json"
+    )
   try:
-    return json.loads(f.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{f}: invalid JSON ({e})") from e
+    out = json.loads(f.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise errors.CheckpointError(f"{f}: invalid JSON ({e})") from e
+  if not isinstance(out, dict):
+    raise errors.CheckpointError(f"{f}: expected a JSON object, got {type(out).__name__}")
+  return out
+
+
+def model_config(path: str | Path, **overrides) -> ModelConfig:
+  """The ModelConfig of a checkpoint folder; unsupported settings name its config.json."""
+  hf = read_config(path)
+  try:
+    return config_from_hf(hf, **overrides)
+  except (ValueError, KeyError, TypeError) as e:
+    what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+    what = what.removeprefix(f"{CONFIG_FILE}: ")
+    raise errors.CheckpointError(f"{Path(path) / CONFIG_FILE}: {what}") from e
 
 
 class SafetensorsReader:
@@ -159,14 +178,16 @@ class SafetensorsReader:
     if index.is_file():
       try:
         weight_map = json.loads(index.read_text())["weight_map"]
-      except (json.JSONDecodeError, KeyError) as e:
-        raise ValueError(f"{index}: not a safetensors index (needs 'weight_map'): {e}") from e
+      except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise errors.CheckpointError(
+          f"{index}: not a safetensors index (needs 'weight_map'): {e}"
+        ) from e
       files = sorted(set(weight_map.values()))
     else:
       files = [SINGLE_FILE] if (self.path / SINGLE_FILE).is_file() else []
       files = files or sorted(p.name for p in self.path.glob("*.safetensors"))
       if not files:
-        raise FileNotFoundError(
+        raise errors.MissingFileError(
           f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files"
         )
       weight_map = None
@@ -174,8 +195,11 @@ class SafetensorsReader:
     for name in files:
       f = self.path / name
       if not f.is_file():
-        raise FileNotFoundError(f"{f}: listed in {INDEX_FILE} but missing")
-      self._handles[name] = safe_open(str(f), framework="numpy")
+        raise errors.MissingFileError(f"{f}: listed in {INDEX_FILE} but missing")
+      try:
+        self._handles[name] = safe_open(str(f), framework="numpy")
+      except (SafetensorError, OSError) as e:
+        raise _unreadable(f, e) from e
     if weight_map is None:
       weight_map = {k: name for name, h in self._handles.items() for k in h.keys()}
     self.weight_map: dict[str, str] = weight_map
@@ -187,16 +211,32 @@ class SafetensorsReader:
     return self.weight_map[name]
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._handles[self._file(name)].get_slice(name).get_shape())
+    file = self._file(name)
+    try:
+      return tuple(self._handles[file].get_slice(name).get_shape())
+    except (SafetensorError, OSError) as e:
+      raise _unreadable(self.path / file, e, name) from e
 
   def get(self, name: str) -> np.ndarray:
-    return self._handles[self._file(name)].get_tensor(name)
+    file = self._file(name)
+    try:
+      return self._handles[file].get_tensor(name)
+    except (SafetensorError, OSError) as e:
+      raise _unreadable(self.path / file, e, name) from e
 
   def _file(self, name: str) -> str:
     if name not in self.weight_map:
       files = ", ".join(sorted(self._handles))
-      raise KeyError(f"{self.path}: tensor {name!r} not found in {files}")
+      raise errors.CheckpointError(f"{self.path}: tensor {name!r} not found in {files}")
     return self.weight_map[name]
+
+
+def _unreadable(f: Path, e: Exception, tensor: str | None = None) -> errors.CheckpointError:
+  """The error for a safetensors file the library cannot read (truncated, corrupt)."""
+  what = f" (tensor {tensor!r})" if tensor else ""
+  return errors.CheckpointError(
+    f"{f}: unreadable safetensors file{what}: {e}; it may be truncated or corrupt (re-download it)"
+  )
 
 
 def _load_param(reader: SafetensorsReader, spec: _Spec, cfg: ModelConfig, dtype) -> np.ndarray:
@@ -205,7 +245,7 @@ def _load_param(reader: SafetensorsReader, spec: _Spec, cfg: ModelConfig, dtype)
   for name in _hf_names(spec, cfg):
     got = reader.shape(name)
     if got != want:
-      raise ValueError(
+      raise errors.CheckpointError(
         f"{reader.path / reader.file_of(name)}: tensor {name!r} has shape {got}, "
         f"expected {want} from {CONFIG_FILE}"
       )
@@ -220,7 +260,7 @@ def _check_unexpected(reader: SafetensorsReader, cfg: ModelConfig) -> None:
   extra = [n for n in reader.names() if n not in expected and not _IGNORED.match(n)]
   if extra:
     shown = ", ".join(f"{n} ({reader.file_of(n)})" for n in sorted(extra)[:5])
-    raise ValueError(
+    raise errors.CheckpointError(
       f"{reader.path}: {len(extra)} tensor(s) not used by a {cfg.family} model with "
       f"{cfg.num_layers} layers: {shown}"
     )
@@ -239,7 +279,7 @@ def load_model(
   With `mesh`, each parameter is placed in its sharded layout as it is read.
   """
   path = Path(path)
-  cfg = config_from_hf(read_config(path), **overrides)
+  cfg = model_config(path, **overrides)
   reader = SafetensorsReader(path)
   _check_unexpected(reader, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gppo_jax import cli, config_lib, errors, sharding, train_step
 from gppo_jax import model as model_lib
-from gppo_jax import sharding, train_step
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,9 @@ def model_config(config) -> tuple[model_lib.ModelConfig, str]:
   overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
   path = config.model.get("path")
   if path and os.path.isfile(os.path.join(path, "config.json")):
-    with open(os.path.join(path, "config.json")) as f:
-      return model_lib.config_from_hf(json.load(f), **overrides), f"{path}/config.json"
+    from gppo_jax import hf_checkpoint
+
+    return hf_checkpoint.model_config(path, **overrides), f"{path}/config.json"
   return model_lib.get_preset(config.model.preset, **overrides), f"preset {config.model.preset!r}"
 
 
@@ -289,8 +290,11 @@ def parse_mesh(text: str) -> dict[str, int]:
   for part in filter(None, (s.strip() for s in text.split(","))):
     name, eq, value = part.partition("=")
     if not eq or name not in out:
-      raise ValueError(f"--mesh part {part!r}: expected NAME=SIZE with NAME in {list(out)}")
-    out[name] = int(value)
+      raise errors.ConfigError(f"--mesh part {part!r}: expected NAME=SIZE with NAME in {list(out)}")
+    try:
+      out[name] = int(value)
+    except ValueError:
+      raise errors.ConfigError(f"--mesh part {part!r}: SIZE must be an integer") from None
   return out
 
 
@@ -299,20 +303,23 @@ def main(argv) -> None:
 
   f = flags.FLAGS
   config = f.config
+  config_lib.validate(config)
   mesh_cfg = parse_mesh(f.mesh) if f.mesh else dict(config.mesh)
   if f.device_memory_gb is not None:
     memory = f.device_memory_gb
   elif f.platform in PLATFORM_MEMORY_GB:
     memory = PLATFORM_MEMORY_GB[f.platform]
   else:
-    raise ValueError(f"--platform={f.platform!r}; valid: {sorted(PLATFORM_MEMORY_GB)}")
+    raise errors.ConfigError(f"--platform={f.platform!r}; valid: {', '.join(PLATFORM_MEMORY_GB)}")
   needed = f.num_devices or math.prod(v for v in mesh_cfg.values() if v > 0)
   if -1 in mesh_cfg.values() and not f.num_devices:
     needed = len(jax.devices())
   devices = jax.devices()
   if len(devices) < needed:
     if os.environ.get(_REEXEC) or jax.default_backend() != "cpu":
-      raise SystemExit(f"mesh {mesh_cfg} needs {needed} devices but jax sees {len(devices)}")
+      raise errors.ConfigError(
+        f"mesh {mesh_cfg} needs {needed} devices but jax sees {len(devices)}"
+      )
     # Simulated CPU devices must be requested before jax starts: rerun this command with them.
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_REEXEC: "1"})
     env["XLA_FLAGS"] = (
@@ -334,7 +341,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
   from ml_collections import config_flags
 
   config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:arg]).")
@@ -344,4 +351,4 @@ if __name__ == "__main__":
   flags.DEFINE_float("device_memory_gb", None, "Memory per device (default: the platform's).")
   flags.DEFINE_bool("analytic", False, "Skip compiling; closed-form activation estimate.")
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

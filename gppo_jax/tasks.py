@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gppo_jax import errors
+
 # --- Character tokenizer ------------------------------------------------------------------------
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -241,5 +243,5 @@ TASKS: dict[str, Task] = {
 
 def get(name: str) -> Task:
   if name not in TASKS:
-    raise ValueError(f"unknown built-in task {name!r}; valid names: {', '.join(TASKS)}")
+    raise errors.unknown_name("built-in task", name, TASKS)
   return TASKS[name]

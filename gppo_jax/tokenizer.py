@@ -19,6 +19,8 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gppo_jax import errors
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -131,35 +133,46 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
   path = Path(path)
   tok_file = path / TOKENIZER_FILE
   if not tok_file.is_file():
-    raise FileNotFoundError(f"{tok_file}: missing (only fast tokenizers, tokenizer.json, load)")
+    raise errors.MissingFileError(
+      f"{tok_file}: missing (only fast tokenizers, tokenizer.json, load)"
+    )
   try:
     tok = tokenizers.Tokenizer.from_file(str(tok_file))
   except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-    raise ValueError(f"{tok_file}: cannot be read by the tokenizers library: {e}") from e
-  config: dict[str, Any] = {}
-  cfg_file = path / TOKENIZER_CONFIG_FILE
-  if cfg_file.is_file():
-    try:
-      config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{cfg_file}: invalid JSON ({e})") from e
+    raise errors.CheckpointError(
+      f"{tok_file}: cannot be read by the tokenizers library: {e}"
+    ) from e
+  config: dict[str, Any] = _read_json(path / TOKENIZER_CONFIG_FILE)
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: use "default"
     named = {t["name"]: t["template"] for t in template}
     template = named.get("default") or next(iter(named.values()), None)
   if (path / CHAT_TEMPLATE_FILE).is_file():
     template = (path / CHAT_TEMPLATE_FILE).read_text()
-  extra_eos: list[int] = []
-  gen_file = path / GENERATION_CONFIG_FILE
-  if gen_file.is_file():
-    eos = json.loads(gen_file.read_text()).get("eos_token_id")
-    extra_eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
-  return Tokenizer(
-    tok,
-    chat_template=template,
-    bos_token=_token_text(config.get("bos_token")),
-    eos_token=_token_text(config.get("eos_token")),
-    pad_token=_token_text(config.get("pad_token")),
-    extra_eos_ids=extra_eos,
-    add_bos=bool(config.get("add_bos_token", False)),
-  )
+  eos = _read_json(path / GENERATION_CONFIG_FILE).get("eos_token_id")
+  extra_eos: list[int] = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+  try:
+    return Tokenizer(
+      tok,
+      chat_template=template,
+      bos_token=_token_text(config.get("bos_token")),
+      eos_token=_token_text(config.get("eos_token")),
+      pad_token=_token_text(config.get("pad_token")),
+      extra_eos_ids=extra_eos,
+      add_bos=bool(config.get("add_bos_token", False)),
+    )
+  except ValueError as e:  # a special token missing from the vocabulary
+    raise errors.CheckpointError(f"{path}: {e}") from e
+
+
+def _read_json(f: Path) -> dict[str, Any]:
+  """The JSON object in `f`, {} if there is no such file; CheckpointError naming it if bad."""
+  if not f.is_file():
+    return {}
+  try:
+    out = json.loads(f.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise errors.CheckpointError(f"{f}: invalid JSON ({e})") from e
+  if not isinstance(out, dict):
+    raise errors.CheckpointError(f"{f}: expected a JSON object, got {type(out).__name__}")
+  return out

@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gppo_jax import hf_checkpoint, model, tokenizer
+from gppo_jax import errors, hf_checkpoint, model, tokenizer
 
 torch.manual_seed(0)
 
@@ -232,7 +232,7 @@ def test_missing_tensor_named(llama_dir):
   tensors = load_file(str(f))
   del tensors["model.layers.1.self_attn.k_proj.weight"]
   save_file(tensors, str(f), metadata={"format": "pt"})
-  with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+  with pytest.raises(errors.CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
     hf_checkpoint.load_model(llama_dir)
 
 
