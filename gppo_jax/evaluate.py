@@ -1,133 +1,124 @@
-"""Sampling rollouts for prompts and evaluating a policy: greedy accuracy, avg@k and pass@k.
+"""Evaluates a policy on the config's held-out set(s) and prints a JSON report.
 
   python -m gppo_jax.evaluate --config=configs/kl_atomic.py --workdir=workdirs/kl_atomic
 
-evaluates the latest checkpoint in the workdir (or the initial policy with --checkpoint=init) on the
-config's held-out set and prints a JSON report with the decoding settings.
+--checkpoint picks the policy: `latest` (the workdir's newest readable checkpoint, the default),
+`init` (the initial, warm-started policy), another run's workdir, or a Hugging Face folder (e.g. a
+run's hf_export). Evaluation is read-only: it creates no folder and writes nothing into any run,
+so it may run beside the trainer of the workdir it reads, and it finds what it evaluates before
+it builds or warm-starts anything.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import logging
+import os
+from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
-from gppo_jax import pass_at_k, sampler
-from gppo_jax.envs import Prompt
+from gppo_jax import checkpointing, experiment, partitioning, policy_eval, sharding, train_step
+from gppo_jax.errors import UserError
+
+log = logging.getLogger("gppo_jax")
 
 
-def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: Sequence[int]):
-  """Response texts: the masked tokens without the stop token."""
-  stops = set(int(s) for s in stop_ids)
-  out = []
-  for row, m in zip(np.asarray(tokens), np.asarray(mask), strict=True):
-    ids = [int(t) for t, keep in zip(row, m, strict=True) if keep and int(t) not in stops]
-    out.append(tokenizer.decode(ids))
-  return out
-
-
-def sample_prompts(
-  graphdef: nnx.GraphDef,
-  params,
-  prompts: Sequence[Prompt],
-  sampling: sampler.SamplingParams,
-  key: jax.Array,
-  *,
-  prompt_len: int,
-  pad_id: int,
-  batch_size: int | None = None,
-  sample_fn: Callable | None = None,
-) -> tuple[np.ndarray, np.ndarray, sampler.SampleOutput]:
-  """Samples one response per prompt; returns (prompt_tokens, prompt_mask, output) as numpy.
-
-  Prompts are left-padded to `prompt_len` and, with `batch_size`, processed in equal batches (the
-  last one padded by repetition) so one compiled sampler serves every call. `sample_fn` (a
-  `sharding.MeshSampler`) samples on a device mesh, one host or many, with the batch size rounded
-  up to a multiple of its batch shards; without it, the sampler runs on the default device.
-  """
-  tokens, mask = sampler.left_pad([p.token_ids for p in prompts], pad_id=pad_id, length=prompt_len)
-  n = len(prompts)
-  bs = batch_size or n
-  if sample_fn is not None:
-    bs = -(-bs // sample_fn.batch_multiple) * sample_fn.batch_multiple
-  outs = []
-  for start in range(0, n, bs):
-    idx = np.arange(start, start + bs) % n
-    sub_key = jax.random.fold_in(key, start)
-    if sample_fn is None:
-      out = sampler.sample_jit(graphdef, params, tokens[idx], mask[idx], sub_key, sampling)
-    else:
-      out = sample_fn(params, tokens[idx], mask[idx], sub_key, sampling)
-    out = jax.tree.map(np.asarray, out)
-    take = min(bs, n - start)
-    outs.append(jax.tree.map(lambda x, take=take: x[:take], out))
-  merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
-  return tokens, mask, merged
-
-
-def evaluate_policy(
-  graphdef: nnx.GraphDef,
-  params,
-  env,
-  key: jax.Array,
-  *,
-  k: int = 4,
-  temperature: float = 1.0,
-  top_p: float = 1.0,
-  batch_size: int = 256,
-  max_new_tokens: int | None = None,
-  prompts: Sequence[Prompt] | None = None,
-  sample_fn: Callable | None = None,
-) -> dict[str, float]:
-  """Greedy accuracy plus avg@k and unbiased pass@k (k samples at `temperature`) on env's eval set
-  (or on `prompts`). `sample_fn`: a `sharding.MeshSampler` to sample on a mesh (multi-host safe:
-  every process gets the same metrics)."""
-  prompts = env.eval_prompts() if prompts is None else prompts
-  if not prompts:
-    return {}
-  tok = env.tokenizer
-  stop_ids = tuple(getattr(tok, "eos_ids", ()) or ())
-  max_new = max_new_tokens or env.max_new_tokens
-  pad_id = getattr(tok, "pad_id", 0)
-  common = dict(
-    prompt_len=env.max_prompt_len,
-    pad_id=pad_id,
-    batch_size=min(batch_size, len(prompts)),
-    sample_fn=sample_fn,
+def _is_hf_folder(path: str) -> bool:
+  # A run's workdir has a config.json too, but no weights beside it.
+  return (
+    "://" not in path
+    and os.path.isdir(path)
+    and any(f.endswith(".safetensors") for f in os.listdir(path))
   )
-  greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
-  _, _, out = sample_prompts(graphdef, params, prompts, greedy, key, **common)
-  rewards, valid, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), prompts)
-  benches = [getattr(p, "benchmark", "") for p in prompts]
-  groups = {"": np.ones(len(prompts), bool)}  # "" = all prompts; then one group per benchmark
-  if len(set(benches)) > 1:
-    groups.update({b: np.array([x == b for x in benches]) for b in sorted(set(benches))})
 
-  def key_of(group: str, name: str) -> str:
-    return f"eval/{group}/{name}" if group else f"eval/{name}"
 
-  metrics = {}
-  for g, sel in groups.items():
-    ok = valid & sel
-    metrics[key_of(g, "accuracy")] = float(np.mean(rewards[ok])) if ok.any() else float("nan")
-  if k > 0:
-    sampling = sampler.SamplingParams(
-      max_new, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
+def find_source(workdir: str, which: str) -> tuple[str, str]:
+  """("init" | "hf" | "checkpoint", path) for --checkpoint, checked without writing anything."""
+  if which == "init":
+    return "init", ""
+  source = workdir if which == "latest" else which
+  if _is_hf_folder(source):
+    return "hf", source
+  ckpt_dir = experiment.split_workdir(source)[1]
+  if "://" not in ckpt_dir and not os.path.isdir(ckpt_dir):
+    what = "--workdir" if which == "latest" else "--checkpoint"
+    raise UserError(
+      f"{what}={source!r} has no checkpoints folder ({ckpt_dir}) and no *.safetensors; "
+      "--checkpoint takes latest (the --workdir's newest), init, a run's workdir or a Hugging "
+      "Face folder"
     )
-    rep = [p for p in prompts for _ in range(k)]
-    common["batch_size"] = min(batch_size, len(rep))
-    _, _, out = sample_prompts(
-      graphdef, params, rep, sampling, jax.random.fold_in(key, 1), **common
+  return "checkpoint", ckpt_dir
+
+
+def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str, Any]:
+  """Evaluates a policy on the config's held-out set(s); returns the report as a dict.
+
+  which: "latest" (the workdir's newest readable checkpoint), "init" (the initial / warm-started
+  policy), the path of another run's workdir, or a Hugging Face folder (e.g. a run's hf_export).
+  """
+  from gppo_jax import config_lib
+
+  config_lib.validate(config)
+  experiment.check_inputs(config)
+  kind, path = find_source(workdir, which)
+  mngr = None
+  if kind == "checkpoint":
+    mngr = checkpointing.make_manager(path, read_only=True)
+    if mngr.latest_step() is None:
+      raise UserError(
+        f"no checkpoint in {path} yet; --checkpoint=init evaluates the initial policy"
+      )
+  mesh = sharding.make_mesh(config.mesh)
+  graphdef, params, _, env, _ = experiment.build_policy(
+    config, say=lambda t: log.info(t), mesh=mesh, warm_start=kind == "init"
+  )
+  try:
+    if kind == "hf":
+      from gppo_jax import hf_checkpoint
+
+      model = hf_checkpoint.load_model(
+        path, mesh=mesh, dtype=config.model.dtype, param_dtype=config.model.param_dtype
+      )
+      graphdef, params = nnx.split(model)
+    elif kind == "checkpoint":
+      tx = train_step.optimizer_from_config(config)
+      # Restored straight onto the mesh: a policy too big for one device never lands on one.
+      abstract = experiment.abstract_state(params, tx, mesh)
+      _, restored, _ = checkpointing.restore_latest(mngr, abstract, set_aside=False)
+      params = restored.params
+    param_sh = partitioning.state_shardings(params, mesh, partitioning.DEFAULT_RULES)
+    params = jax.device_put(params, param_sh)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9)
+    max_new = experiment.sampling_params(config, env, stop_ids=(), pad_id=0).max_new_tokens
+    e = config.eval
+    metrics = policy_eval.evaluate_policy(
+      graphdef,
+      params,
+      env,
+      key,
+      k=e.k,
+      temperature=e.temperature,
+      top_p=e.top_p,
+      max_new_tokens=max_new,
+      sample_fn=sharding.MeshSampler(graphdef, param_sh),
     )
-    r, _, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), rep)
-    correct = r.reshape(len(prompts), k) > 0.5
-    for g, sel in groups.items():
-      metrics[key_of(g, f"avg@{k}")] = float(pass_at_k.avg_at_n(correct[sel]))
-      metrics[key_of(g, f"pass@{k}")] = pass_at_k.mean_pass_at_k(correct[sel], k)
-  return metrics
+    num_problems = len(env.eval_prompts())
+  finally:
+    env.close()
+  return {
+    "checkpoint": which,
+    "num_problems": num_problems,
+    "decoding": {
+      "greedy": True,
+      "k": e.k,
+      "temperature": e.temperature,
+      "top_p": e.top_p,
+      "max_new_tokens": max_new,
+    },
+    **metrics,
+  }
 
 
 def main(argv):
@@ -135,22 +126,20 @@ def main(argv):
   from absl import flags
   from ml_collections import config_flags
 
-  from gppo_jax import train
-
-  train.quiet_libraries(flags.FLAGS)
+  experiment.quiet_libraries(flags.FLAGS)
   cfg = flags.FLAGS.config
-  workdir = flags.FLAGS.workdir or train.default_workdir(
+  workdir = flags.FLAGS.workdir or experiment.default_workdir(
     config_flags.get_config_filename(flags.FLAGS["config"])
   )
-  report = train.evaluate_checkpoint(cfg, workdir, which=flags.FLAGS.checkpoint)
+  report = evaluate_checkpoint(cfg, workdir, which=flags.FLAGS.checkpoint)
   print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
   from ml_collections import config_flags
 
-  from gppo_jax import sharding
+  from gppo_jax import cli
 
   sharding.maybe_initialize_distributed()  # multi-host: before the config file runs any jax code
   config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -161,4 +150,4 @@ if __name__ == "__main__":
     "'latest' (in --workdir), 'init' (initial policy), another run's workdir, or an HF folder.",
   )
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

@@ -1,11 +1,18 @@
-"""Where metrics go: a JSONL file, TensorBoard event files and a progress bar (process 0 only)."""
+"""Where metrics go: a JSONL file, TensorBoard event files and a progress bar (process 0 only).
+
+A resumed run replays the iterations after its checkpoint, so `MetricWriter(resume_step=S)` first
+drops what the logs hold past step S (rows a crashed run wrote after its last checkpoint, and a
+half-written last line): each iteration appears once in metrics.jsonl and in TensorBoard.
+"""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import re
+import struct
 import sys
 import time
 from typing import Any
@@ -44,6 +51,7 @@ class MetricWriter:
     *,
     total_steps: int,
     initial_step: int = 0,
+    resume_step: int | None = None,
     enabled: bool | None = None,
     progress: bool = True,
   ):
@@ -56,6 +64,9 @@ class MetricWriter:
       return
     os.makedirs(log_dir, exist_ok=True)
     self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
+    if resume_step is not None:
+      truncate_jsonl(self.jsonl_path, resume_step)
+      truncate_tensorboard(os.path.join(log_dir, "tensorboard"), resume_step)
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
     try:
       from tensorboardX import SummaryWriter
@@ -106,10 +117,99 @@ class MetricWriter:
     else:
       print(text, file=sys.stderr, flush=True)
 
+  def flush(self) -> None:
+    if self._jsonl is not None:
+      self._jsonl.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
+      self._bar = None
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
     if self._jsonl is not None:
       self._jsonl.close()
+      self._jsonl = None
+
+
+# --- Resume: drop what lies past the restored step ----------------------------------------------
+
+
+def truncate_jsonl(path: str, max_step: int) -> int:
+  """Keeps the rows of `path` with step <= max_step (and only whole lines); returns rows dropped."""
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path, "rb") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+        ok = line.endswith(b"\n") and int(row["step"]) <= max_step
+      except (ValueError, KeyError, TypeError):
+        ok = False  # a half-written last line
+      if ok:
+        kept.append(line)
+      else:
+        dropped += 1
+  if dropped:
+    _replace(path, b"".join(kept))
+  return dropped
+
+
+def _records(data: bytes):
+  """The payloads of a TFRecord stream (length, crc, payload, crc), stopping at a torn tail."""
+  pos = 0
+  while pos + 12 <= len(data):
+    (length,) = struct.unpack_from("<Q", data, pos)
+    end = pos + 12 + length + 4
+    if end > len(data):
+      return
+    yield data[pos + 12 : pos + 12 + length]
+    pos = end
+
+
+def truncate_tensorboard(log_dir: str, max_step: int) -> int:
+  """Rewrites each event file under `log_dir` without events past `max_step`; returns the count
+  dropped. TensorBoard would otherwise show both the crashed run's and the replayed values."""
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
+
+  dropped = 0
+  for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+    with open(path, "rb") as f:
+      data = f.read()
+    out, n = [], 0
+    for payload in _records(data):
+      event = event_pb2.Event()
+      try:
+        event.ParseFromString(payload)
+      except Exception:  # noqa: BLE001 (protobuf's DecodeError moves between versions)
+        n += 1
+        continue
+      if event.HasField("summary") and event.step > max_step:
+        n += 1
+        continue
+      header = struct.pack("<Q", len(payload))
+      out += [
+        header,
+        struct.pack("<I", masked_crc32c(header)),
+        payload,
+        struct.pack("<I", masked_crc32c(payload)),
+      ]
+    rewritten = b"".join(out)
+    if n or len(rewritten) != len(data):
+      _replace(path, rewritten)
+      dropped += n
+  return dropped
+
+
+def _replace(path: str, data: bytes) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)

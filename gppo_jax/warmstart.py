@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gppo_jax import checkpointing, evaluate, train_step
+from gppo_jax import checkpointing, policy_eval, train_step
 from gppo_jax.envs import BuiltinEnv
 
 CACHE_VERSION = 1
@@ -102,7 +102,7 @@ def warm_start(
     batch = supervised_batch(env, rng, ws_cfg.batch_size)
     params, opt_state, loss = step_fn(params, opt_state, batch)
     if steps % ws_cfg.eval_every == 0 or steps == ws_cfg.max_steps:
-      acc = evaluate.evaluate_policy(graphdef, params, env, key, k=0, prompts=eval_prompts)[
+      acc = policy_eval.evaluate_policy(graphdef, params, env, key, k=0, prompts=eval_prompts)[
         "eval/accuracy"
       ]
       log(

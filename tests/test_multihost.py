@@ -40,10 +40,13 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _train(workdir: str, env: dict, *extra: str) -> subprocess.Popen:
+  # With GPPO_TEST_SIGNALS the command is the real one sending itself signals (preemption_child).
+  entry = ["-m", "gppo_jax.train"]
+  if "GPPO_TEST_SIGNALS" in env:
+    entry = [os.path.join(REPO, "tests", "preemption_child.py")]
   cmd = [
     sys.executable,
-    "-m",
-    "gppo_jax.train",
+    *entry,
     f"--config={os.path.join(REPO, 'configs', 'kl_atomic.py')}:smoke",
     f"--workdir={workdir}",
     *OVERRIDES,
@@ -54,8 +57,12 @@ def _train(workdir: str, env: dict, *extra: str) -> subprocess.Popen:
   )
 
 
-def _two_processes(workdir: str, *extra: str) -> list[str]:
+def _two_processes(workdir: str, *extra: str, signals: dict | None = None) -> list[str]:
+  """Runs both processes to the end; `signals` = {process id: GPPO_TEST_SIGNALS plan}."""
   port = _free_port()
+  plans = {}
+  if signals is not None:
+    plans = {i: dict(GPPO_TEST_SIGNALS=json.dumps(signals.get(i, []))) for i in range(2)}
   procs = [
     _train(
       workdir,
@@ -65,6 +72,7 @@ def _two_processes(workdir: str, *extra: str) -> list[str]:
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES="2",
         JAX_PROCESS_ID=str(i),
+        **plans.get(i, {}),
       ),
       *extra,
     )
@@ -114,9 +122,14 @@ def test_two_processes_match_one(runs):
   assert sorted(os.listdir(root / "two" / "checkpoints")) == ["1", "2"]
 
 
-def test_two_processes_resume_jointly(runs):
+def test_two_processes_resume_jointly_and_stop_together_when_one_is_signalled(runs):
+  """Only process 1 gets SIGTERM, during iteration 3's rollout: the stop flag is reduced over the
+  processes, so both finish iteration 3, save it jointly and exit 0 (no hang, no lost step)."""
   root, *_ = runs
-  _two_processes(str(root / "two"), "--config.iterations=3")
+  signal = [{"at": "rollout", "call": 1, "signals": ["SIGTERM"]}]
+  outs = _two_processes(str(root / "two"), "--config.iterations=4", signals={1: signal})
+  for out in outs:
+    assert "preempted after iteration 3; rerun the same command to resume" in out, out[-3000:]
   steps = [x["step"] for x in _metrics(str(root / "two"))]
   assert steps == [0, 1, 2, 3]  # resumed at 2: no iteration repeated, none lost
   assert "3" in os.listdir(root / "two" / "checkpoints")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import checkpointing, evaluate, plan, sampler, sharding, train_step
+from gppo_jax import checkpointing, plan, policy_eval, sampler, sharding, train_step
 from gppo_jax import model as model_lib
 from gppo_jax.envs import Prompt
 
@@ -206,8 +206,8 @@ def test_periodic_eval_on_a_mesh_matches_one_device(setup):
   env = _ParityEnv(setup["p_tok"], setup["p_mask"], N)
   common = dict(k=3, batch_size=8, max_new_tokens=5)
   key = jax.random.PRNGKey(1)
-  want = evaluate.evaluate_policy(setup["graphdef"], params, env, key, **common)
-  got = evaluate.evaluate_policy(
+  want = policy_eval.evaluate_policy(setup["graphdef"], params, env, key, **common)
+  got = policy_eval.evaluate_policy(
     setup["graphdef"], placed, env, key, sample_fn=mesh_sampler, **common
   )
   assert got.keys() == want.keys() and "eval/b1/pass@3" in got
@@ -220,8 +220,8 @@ def test_periodic_eval_on_a_mesh_matches_one_device(setup):
     prompts = env.prompts[:n]
     greedy = sampler.SamplingParams(5, greedy=True, stop_ids=(2,))
     args = dict(prompt_len=P, pad_id=0, batch_size=bs)
-    _, _, a = evaluate.sample_prompts(setup["graphdef"], params, prompts, greedy, key, **args)
-    _, _, b = evaluate.sample_prompts(
+    _, _, a = policy_eval.sample_prompts(setup["graphdef"], params, prompts, greedy, key, **args)
+    _, _, b = policy_eval.sample_prompts(
       setup["graphdef"], placed, prompts, greedy, key, sample_fn=mesh_sampler, **args
     )
     assert b.tokens.shape == a.tokens.shape == (n, 5)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import transformers
 
-from gppo_jax import hf_checkpoint, train
+from gppo_jax import evaluate, hf_checkpoint, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHATML = (
@@ -114,8 +114,8 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   assert os.path.exists(os.path.join(wd, "hf_export", "tokenizer.json"))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(wd, "hf_export"))
   # `python -m gppo_jax.evaluate --checkpoint=...`: the exported folder scores like the checkpoint.
-  from_ckpt = train.evaluate_checkpoint(c, wd, "latest")
-  from_hf = train.evaluate_checkpoint(c, wd, os.path.join(wd, "hf_export"))
+  from_ckpt = evaluate.evaluate_checkpoint(c, wd, "latest")
+  from_hf = evaluate.evaluate_checkpoint(c, wd, os.path.join(wd, "hf_export"))
   assert from_ckpt["eval/easy/accuracy"] == from_hf["eval/easy/accuracy"]
   assert from_hf["decoding"]["k"] == 2 and "eval/other/pass@2" in from_hf
   assert reloaded.config.vocab_size == 300

@@ -1,0 +1,242 @@
+"""What a training run and an evaluation both set up: the workdir, the policy and its state.
+
+  workdir:  default_workdir, split_workdir (local logs vs. checkpoint storage), WorkdirLock
+  policy:   build_policy (built-in task + tiny warm-started policy, or a Hugging Face folder)
+  state:    init_state (TrainState on the mesh), abstract_state (its shapes, for restores)
+  sampling: sampling_params (the rollout's decoding settings)
+
+Nothing here trains or evaluates; train.py and evaluate.py compose these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gppo_jax import envs, sampler, sharding, train_step
+from gppo_jax import model as model_lib
+from gppo_jax.errors import MissingFileError, UserError
+
+log = logging.getLogger("gppo_jax")
+
+LOCK_NAME = "lock"
+
+
+# --- Workdir ------------------------------------------------------------------------------------
+
+
+def default_workdir(config_path: str | None) -> str:
+  """./workdirs/<config file name>[_<arg>] for `--config=configs/kl_atomic.py[:arg]`."""
+  name = "run"
+  if config_path:
+    path, _, arg = str(config_path).partition(":")
+    name = os.path.splitext(os.path.basename(path))[0] + (f"_{arg}" if arg else "")
+  return os.path.join("workdirs", name.replace(",", "_").replace("=", "-"))
+
+
+def split_workdir(workdir: str) -> tuple[str, str]:
+  """(local folder for logs and summaries, checkpoint directory) of a workdir.
+
+  A local path holds both. A storage URL (gs://bucket/run, shared by every host of a slice) holds
+  the checkpoints; logs then go to ./workdirs/<run name> on each host.
+  """
+  if "://" in workdir:
+    return os.path.abspath(os.path.join("workdirs", workdir.rstrip("/").rsplit("/", 1)[-1])), (
+      workdir.rstrip("/") + "/checkpoints"
+    )
+  local = os.path.abspath(os.path.expanduser(workdir))
+  return local, os.path.join(local, "checkpoints")
+
+
+class WorkdirBusyError(UserError):
+  """Another live process holds the workdir."""
+
+
+class WorkdirLock:
+  """An exclusive lock on a run's local folder, held for the life of a training run.
+
+  `<workdir>/lock` records the owner's pid, host and command. The lock itself is an OS file lock
+  (flock), which the kernel drops when its process dies however it dies, so a lock file left by a
+  crashed or killed run is stale by construction: it is taken over with a warning naming the old
+  owner. A second live trainer on the same folder gets `WorkdirBusyError`.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, LOCK_NAME)
+    self._fd: int | None = None
+
+  def acquire(self) -> WorkdirLock:
+    import fcntl
+
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      owner = _read_owner(fd)
+      os.close(fd)
+      raise WorkdirBusyError(
+        f"workdir {os.path.dirname(self.path)} is in use by {owner}; wait for that run to end, "
+        "stop it, or pass another --workdir"
+      ) from None
+    old = _read_owner(fd)
+    if old != "an unknown process":
+      log.warning("taking over the stale lock of %s (that process is gone)", old)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    owner = {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "since": time.time(),
+      "command": " ".join(sys.argv),
+    }
+    os.write(fd, json.dumps(owner).encode())
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    with contextlib.suppress(OSError):
+      os.ftruncate(self._fd, 0)  # an empty lock file: nobody to warn about next time
+    os.close(self._fd)  # drops the flock
+    self._fd = None
+
+  def __enter__(self) -> WorkdirLock:
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _read_owner(fd: int) -> str:
+  try:
+    os.lseek(fd, 0, os.SEEK_SET)
+    info = json.loads(os.read(fd, 4096).decode() or "{}")
+    return f"pid {info['pid']} on host {info['host']} ({info.get('command', '?')})"
+  except (OSError, ValueError, KeyError, TypeError):
+    return "an unknown process"
+
+
+# --- Policy -------------------------------------------------------------------------------------
+
+
+def check_inputs(config) -> None:
+  """The model folder and data files the config names exist (storage URLs are not checked here):
+  a typo in a path fails in a second, not after a 7B model has loaded."""
+  paths = [("model.path", config.model.path, os.path.isdir)]
+  paths.append(("data.train_path", config.data.train_path, os.path.exists))
+  if config.data.eval_path:
+    paths += [
+      (f"data.eval_path ({name})", path, os.path.exists)
+      for name, path in envs.parse_eval_paths(config.data.eval_path)
+    ]
+  for field, path, exists in paths:
+    if path is not None and "://" not in path and not exists(os.path.expanduser(path)):
+      what = "folder" if exists is os.path.isdir else "file"
+      raise MissingFileError(f"{field}={path!r}: no such {what}")
+
+
+def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
+  """(graphdef, params, model_cfg, env, info) for the config: built-in task or HF folder + data.
+
+  With `mesh`, Hugging Face weights go straight to their sharded layout as they are read. With
+  `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway)."""
+  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  if config.model.path is not None:
+    from gppo_jax import hf_checkpoint
+
+    model, tokenizer = hf_checkpoint.load_pretrained(config.model.path, mesh=mesh, **overrides)
+    env = envs.make_env(config, tokenizer)
+    graphdef, params = nnx.split(model)
+    return graphdef, params, model.cfg, env, {}
+  env = envs.make_env(config)
+  tok = env.tokenizer
+  # The built-in policy's vocabulary is exactly the task's characters.
+  cfg = model_lib.get_preset(
+    config.model.preset,
+    vocab_size=tok.vocab_size,
+    bos_token_id=tok.bos_id,
+    eos_token_ids=tok.eos_ids,
+    pad_token_id=tok.pad_id,
+    **overrides,
+  )
+  # The initial policy's seed (init and warm start); None = config.seed. Fixing it while seed
+  # varies repeats RL from one starting policy (benchmarks/grid.py does).
+  init_seed = config.warmstart.get("seed")
+  init_seed = config.seed if init_seed is None else int(init_seed)
+  model = model_lib.create(cfg, init_seed)
+  graphdef, params = nnx.split(model)
+  say(f"policy: preset {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
+  info = {}
+  if config.warmstart.enabled and warm_start:
+    from gppo_jax import warmstart
+
+    params, info = warmstart.warm_start(
+      graphdef, params, env, cfg, config.warmstart, seed=init_seed, log=say
+    )
+  return graphdef, params, cfg, env, info
+
+
+def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
+  """Rollout sampling settings; responses never exceed what the environment can score."""
+  r = config.rollout
+  return sampler.SamplingParams(
+    max_new_tokens=min(r.max_new_tokens, env.max_new_tokens),
+    temperature=r.temperature,
+    top_p=r.top_p,
+    top_k=r.top_k,
+    stop_ids=tuple(stop_ids),
+    pad_id=pad_id,
+    num_topk=r.num_topk,
+  )
+
+
+# --- State --------------------------------------------------------------------------------------
+
+
+def _fresh_state(params, tx) -> train_step.TrainState:
+  return train_step.TrainState(
+    params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32)
+  )
+
+
+def init_state(params, tx, mesh) -> tuple[Any, train_step.TrainState]:
+  """(state shardings, TrainState on the mesh) with fresh optimizer state for `params`.
+
+  The optimizer state is created in place beside the parameters: a policy whose Adam moments do
+  not fit on one device never lands on one."""
+  state_sh = sharding.state_shardings(jax.eval_shape(lambda p: _fresh_state(p, tx), params), mesh)
+  params = jax.device_put(params, state_sh.params)
+  init = jax.jit(lambda p: _fresh_state(p, tx), out_shardings=state_sh, donate_argnums=0)
+  return state_sh, init(params)
+
+
+def abstract_state(params, tx, mesh) -> Any:
+  """The TrainState's shapes, dtypes and mesh shardings: what a checkpoint restore needs."""
+  state = jax.eval_shape(lambda p: _fresh_state(p, tx), params)
+  return sharding.abstract_like(state, sharding.state_shardings(state, mesh))
+
+
+def quiet_libraries(flag_values) -> None:
+  """Orbax and JAX log every checkpoint step at INFO: show WARNING and up from them, INFO from us.
+
+  absl rewrites an unset --verbosity to INFO once flags are parsed, so `present` (given on the
+  command line), not `using_default_value`, says whether the user asked for a level.
+  """
+  from absl import logging as absl_logging
+
+  if not flag_values["verbosity"].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    log.setLevel(logging.INFO)  # the resolved config, the policy summary
