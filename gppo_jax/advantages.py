@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (GPPO.md section 6).
+"""Group-relative advantage estimators (docs/math.md#advantages).
 
 Rewards come as a [num_groups, group_size] array: row g holds the rewards of the G responses
 sampled for prompt g. Every estimator returns advantages of the same shape (one per response; all

@@ -129,7 +129,7 @@ def base(
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
-  c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (GPPO.md section 1)
+  c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
 
   cell = presets.cell("kl", "atomic")
   c.loss = ml_collections.ConfigDict()

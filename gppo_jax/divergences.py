@@ -1,4 +1,4 @@
-"""Registry of normalised f-divergence generators (GPPO.md section 2).
+"""Registry of normalised f-divergence generators (docs/math.md#divergences).
 
 D_f(pi || mu) = E_{a ~ mu} f(pi(a) / mu(a)), with f(1) = 0 and f'(1) = 0 so that every per-token
 estimate built from f is >= 0 and minimal at ratio 1.

@@ -1,4 +1,4 @@
-"""Per-token estimators of D_f(pi || mu) at the sampled token (GPPO.md section 3).
+"""Per-token estimators of D_f(pi || mu) at the sampled token (docs/math.md#estimators).
 
 All estimators take log-probabilities of the sampled token under the current policy (`logp`) and the
 behaviour policy (`logq`) and are elementwise, so they broadcast over leading [batch, token] axes

@@ -1,4 +1,4 @@
-"""The GPPO trust-region policy loss (GPPO.md section 4).
+"""The GPPO trust-region policy loss (docs/math.md#loss).
 
 A token is out of the trust region when its divergence estimate exceeds delta; its gradient is
 stopped only when the update would push it further out (A (r - 1) > 0):

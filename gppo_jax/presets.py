@@ -1,4 +1,4 @@
-"""Named settings of the known algorithms as cells of the GPPO grid (GPPO.md section 5).
+"""Named settings of the known algorithms as cells of the GPPO grid (docs/math.md#reductions).
 
 Each preset is a plain `LossSettings` (loss + advantage conventions); `configs/` turns them into
 training configs. Deltas for the other grid cells default to f(1 - eps) (`theory.default_delta`):

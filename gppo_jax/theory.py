@@ -1,4 +1,6 @@
-"""Why a small f-divergence region is a trust region: bounds, radii, level sets (GPPO.md s. 7).
+"""Why a small f-divergence region is a trust region: bounds, radii, level sets.
+
+The math: docs/math.md#theory.
 
 For a normalised generator f the tight lower bound of D_f in terms of total variation V is the
 binary reduction
@@ -239,7 +241,10 @@ def _quadratic_constant(div: divs.Divergence) -> float:
 
 
 def default_delta(divergence: str | divs.Divergence, eps: float = 0.2) -> float:
-  """delta_f = f(1 - eps): the radius whose contraction side matches PPO's clip (GPPO.md s. 5)."""
+  """delta_f = f(1 - eps): the radius whose contraction side matches PPO's clip.
+
+  See docs/math.md#default-delta.
+  """
   if not 0 < eps < 1:
     raise ValueError(f"eps must lie in (0, 1), got {eps}")
   return float(_f64(divs.get(divergence), 1.0 - eps))

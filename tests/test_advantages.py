@@ -59,3 +59,37 @@ def test_errors():
     advantages.grpo(np.zeros(8))
   with pytest.raises(ValueError, match="group_size 1 too small"):
     advantages.grpo(np.zeros((4, 1)))
+
+
+class RandomRewardsTest(chex.TestCase):
+  """Identities of every estimator over random reward draws, with and without jit."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_identities_over_random_rewards(self):
+    rng = np.random.default_rng(1)
+    fns = {name: self.variant(advantages.get(name)) for name in advantages.names()}
+    for group_size in (2, 8):
+      r = rng.normal(size=(64, group_size)) * rng.uniform(0.1, 10.0, (64, 1))
+      r[::5] = np.round(r[::5])  # ties
+      r[::9] = 3.0  # constant groups: no signal
+      r = r.astype(np.float32)
+      adv = {name: np.asarray(fn(jnp.asarray(r)), np.float64) for name, fn in fns.items()}
+      centred = r - r.mean(1, keepdims=True)
+      std = r.std(1, ddof=1, keepdims=True)
+      for name, a in adv.items():
+        chex.assert_shape(a, r.shape)
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a.sum(1), 0.0, atol=1e-4, err_msg=name)  # centred per group
+        np.testing.assert_array_equal(a[::9], 0.0, err_msg=name)  # constant group: exactly 0
+      np.testing.assert_allclose(adv["dr_grpo"], centred, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(adv["grpo"], centred / (std + 1e-6), rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(
+        adv["rloo"], centred * group_size / (group_size - 1), rtol=1e-5, atol=1e-5
+      )
+      np.testing.assert_allclose(
+        adv["batch_std"], centred / (r.std(ddof=1) + 1e-6), rtol=1e-4, atol=1e-5
+      )
+      # grpo is invariant to a positive affine map of the rewards (up to eps).
+      shifted = np.asarray(fns["grpo"](jnp.asarray(2.5 * r - 7.0)), np.float64)
+      signal = np.asarray(advantages.signal_mask(r))
+      np.testing.assert_allclose(shifted[signal], adv["grpo"][signal], rtol=1e-3, atol=1e-3)

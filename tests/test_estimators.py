@@ -1,4 +1,4 @@
-"""Properties of divergences and per-token estimators (GPPO.md sections 2, 3 and 8)."""
+"""Properties of divergences and per-token estimators (docs/math.md#divergences, #estimators)."""
 
 import subprocess
 import sys
@@ -67,7 +67,7 @@ class ClosedFormTest(parameterized.TestCase):
 
   @parameterized.parameters(*PAPER_DIVS)
   def test_table_closed_forms(self, div):
-    # The second table of GPPO.md section 3, written independently of the generator.
+    # The closed-form table of docs/math.md#estimators, written independently of the generator.
     p, q = random_pq(np.random.default_rng(1), 256, low=1e-3)
     r = p / q
     table = {

@@ -137,6 +137,34 @@ def test_default_deltas():
     assert r_lo == pytest.approx(0.8, abs=1e-6)
 
 
+def test_default_delta_and_level_sets_over_random_draws():
+  # delta = f(1 - eps) puts the MC level set's lower end at exactly 1 - eps, for any eps and q
+  # (docs/math.md#default-delta); TV-MC at eps / 2 is PPO's [1 - eps, 1 + eps] and chi2-atomic is
+  # RIPO's |r - 1| <= sqrt(delta / q) (docs/math.md#reductions), for random deltas and q.
+  rng = np.random.default_rng(0)
+  f = {
+    "tv": lambda t: 0.5 * abs(t - 1),
+    "kl": lambda t: t - 1 - math.log(t),
+    "hellinger": lambda t: (math.sqrt(t) - 1) ** 2,
+    "chi2": lambda t: (t - 1) ** 2,
+  }
+  q = np.exp(rng.uniform(np.log(1e-4), np.log(0.999), 6))
+  for eps in rng.uniform(0.02, 0.6, 3):
+    for name in f:
+      delta = th.default_delta(name, eps)
+      assert delta == pytest.approx(f[name](1 - eps), rel=1e-9)
+      r_lo, r_hi = th.level_set(name, "mc", delta, q)
+      np.testing.assert_allclose(r_lo, 1 - eps, rtol=1e-5)
+      assert np.all(r_hi >= np.minimum(1 + eps, 1 / q) * (1 - 1e-6))  # f(1 + e) <= f(1 - e)
+    r_lo, r_hi = th.level_set("tv", "mc", eps / 2, q)
+    np.testing.assert_allclose(r_hi, np.minimum(1 + eps, 1 / q), rtol=1e-5)
+  delta = np.exp(rng.uniform(np.log(1e-3), np.log(0.5), q.size))
+  r_lo, r_hi = th.level_set("chi2", "atomic", delta, q)
+  bound = np.sqrt(delta / q)
+  np.testing.assert_allclose(r_lo, np.maximum(1 - bound, 0.0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(r_hi, np.minimum(1 + bound, 1 / q), rtol=1e-5)
+
+
 def test_level_set_closed_forms():
   q = np.array([1e-6, 1e-3, 0.05, 0.3, 0.5, 0.9, 1 - 1e-7])
   delta = 0.1
