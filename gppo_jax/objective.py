@@ -135,7 +135,9 @@ def policy_loss(
 
   valid = mask.astype(bool)
   logp32 = logp.astype(jnp.float32)
-  logq32 = logq.astype(jnp.float32)
+  # The behaviour log-prob is floored as in the estimators: log p <= 0, so log r <= 80 and r stays a
+  # finite float32 (an unfloored q < 1e-38 gives r = inf, and a masked token 0 * inf = NaN).
+  logq32 = jnp.maximum(logq.astype(jnp.float32), ests.LOG_PROB_FLOOR)
   log_ratio = logp32 - jax.lax.stop_gradient(logq32)
   ratio = jnp.exp(log_ratio)
   ratio_sg = jax.lax.stop_gradient(ratio)
