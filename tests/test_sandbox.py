@@ -24,6 +24,8 @@ from gppo_jax.sandbox import (
   SandboxUnavailableError,
   Status,
   StdioCase,
+  host,
+  runner,
 )
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -53,9 +55,9 @@ def host_unchanged(request):
     return
   s = request.getfixturevalue("sb")
   deadline = time.monotonic() + 3.0
-  while any(sbx._processes_of(u) for u in s.uids) and time.monotonic() < deadline:
+  while any(host._processes_of(u) for u in s.uids) and time.monotonic() < deadline:
     time.sleep(0.05)
-  assert not [p for u in s.uids for p in sbx._processes_of(u)], "sandbox processes left behind"
+  assert not [p for u in s.uids for p in host._processes_of(u)], "sandbox processes left behind"
 
 
 def run1(sb, program, stdin="", expected=None, **kw):
@@ -155,7 +157,7 @@ def test_runs_as_slot_uid_without_privileges(sb):
     "print(os.getuid(), os.getgid(), os.getgroups(), caps[0], os.getcwd(), sorted(os.environ))\n"
   )
   out = run1(sb, prog).cases[0].stdout.split(" ", 2)
-  assert int(out[0]) in sb.uids and out[0] == out[1]
+  assert int(out[0]) in sb.program_uids and out[0] == out[1]
   assert out[2].startswith("[] 0000000000000000 /tmp/case0")
   assert "'HOME', 'LANG', 'LC_ALL', 'PATH'" in out[2]
 
@@ -165,7 +167,8 @@ def test_concurrent_slots_use_distinct_uids(sb):
   prog = "import os, time\ntime.sleep(0.3)\nprint(os.getuid())"
   runs = sb.run_many([Job.stdio(prog, [StdioCase()])] * 4)
   assert all(r.status == Status.OK for r in runs)
-  assert {int(r.cases[0].stdout) for r in runs} == set(sb.uids) and len(set(sb.uids)) == 2
+  assert {int(r.cases[0].stdout) for r in runs} == set(sb.program_uids)
+  assert len(set(sb.program_uids)) == 2 and len(set(sb.uids)) == 4  # a runner uid per slot too
 
 
 # -- the adversarial suite --------------------------------------------------------------------
@@ -187,17 +190,20 @@ def test_infinite_loop_times_out_in_every_mode(sb):
 
 @needs_root
 def test_host_deadline_kills_the_whole_namespace():
-  """A program that freezes its runner is stopped by the parent's own deadline (SIGKILL of the
-  namespace's PID 1), leaving nothing behind."""
+  """A runner that hangs (here in trusted test code: the program cannot stop it) is stopped by
+  the parent's own deadline (SIGKILL of the namespace's PID 1), leaving nothing behind."""
   cfg = dataclasses.replace(SMALL, num_slots=1, startup_s=1.0, timeout_s=0.5)
   with Sandbox(cfg) as s:
     freeze = "import os, signal, time\nos.kill(os.getppid(), signal.SIGSTOP)\ntime.sleep(60)"
-    r = run1(s, freeze)
-    assert r.status == Status.TIMEOUT and "overall time budget" in r.detail
+    r = run1(s, freeze)  # the program may not stop its runner (another uid): its own failure
+    assert r.status == Status.RUNTIME_ERROR and "PermissionError" in r.cases[0].detail, r
+    hang = "import time\ntime.sleep(60)\ndef check(c):\n  pass\n"
+    r = s.run(Job.check("def f():\n  return 1\n", "f", hang))
+    assert r.status == Status.TIMEOUT and "overall time budget" in r.detail, r
     deadline = time.monotonic() + 3.0
-    while sbx._processes_of(s.uids[0]) and time.monotonic() < deadline:
+    while any(host._processes_of(u) for u in s.uids) and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert not sbx._processes_of(s.uids[0])
+    assert not [p for u in s.uids for p in host._processes_of(u)]
 
 
 @needs_root
@@ -370,15 +376,16 @@ def test_cannot_kill_the_parent(sb):
   )
   r = run1(sb, attempts)
   assert r.status == Status.OK and "killed" not in r.cases[0].stdout
-  # Its own parent is the in-sandbox runner; so is everything kill -9 -1 reaches: a failure.
-  for prog in (
-    "import os\nos.kill(os.getppid(), 9)\nprint('alive')",
-    "import os\nos.kill(-1, 9)\nprint('alive')",
-    "import os\nos.system('kill -9 -1')",
-  ):
+  # Its parent is the in-sandbox runner, another uid: out of reach. kill -9 -1 reaches only the
+  # program's own processes (and kills the program if it is among them).
+  outcomes = {
+    "import os\nos.kill(os.getppid(), 9)\nprint('alive')": Status.RUNTIME_ERROR,
+    "import os\nos.kill(-1, 9)\nprint('alive')": Status.OK,
+    "import os\nos.system('kill -9 -1')\nprint('alive')": Status.RUNTIME_ERROR,
+  }
+  for prog, status in outcomes.items():
     r = run1(sb, prog, expected="alive")
-    assert r.status == Status.RUNTIME_ERROR, r
-    assert r.status != Status.INFRA_ERROR
+    assert r.status == status, (prog, r)
   assert run1(sb, "print(2)", expected="2").status == Status.OK
   os.kill(me, 0)  # still here
 
@@ -398,7 +405,7 @@ def test_reward_hacks_fail(sb):
     "forge_marker": (
       "import os, sys, glob\n"
       "line = '\\n' + '0' * 32 + ' ' + '{\"cases\": [{\"status\": \"ok\"}]}\\n'\n"
-      f"print({sbx._STARTED!r})\n"
+      f"print({runner.STARTED!r})\n"
       "for p in ['/dev/stdout', '/proc/1/fd/1'] + glob.glob('/proc/*/fd/*'):\n"
       "  try:\n"
       "    with open(p, 'w') as f:\n"
@@ -468,7 +475,7 @@ def test_host_files_are_not_visible(sb, tmp_path):
   out = run1(sb, prog).cases[0].stdout.splitlines()
   top = set(eval(out[0]))
   allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "etc", "proc", "tmp", "usr"}
-  assert top <= allowed | {"gppo_runner.py"}
+  assert top <= allowed | {"gppo"}  # /gppo: the runner and the program, read-only
   assert {"dev", "proc", "tmp", "usr"} <= top
   assert out[1] == f"{__file__} FileNotFoundError" and out[2] == f"{dataset} FileNotFoundError"
   assert [ln.split()[1] for ln in out[3:6]] == ["FileNotFoundError"] * 3
@@ -494,8 +501,8 @@ def test_not_root_fails_closed(monkeypatch):
 
 @needs_root
 def test_missing_tools_fail_closed(monkeypatch):
-  real = sbx._which
-  monkeypatch.setattr(sbx, "_which", lambda t: None if t == "unshare" else real(t))
+  real = host._which
+  monkeypatch.setattr(host, "_which", lambda t: None if t == "unshare" else real(t))
   with pytest.raises(SandboxUnavailableError, match="missing tools.*unshare"):
     Sandbox(SandboxConfig())
 
