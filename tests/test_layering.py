@@ -34,7 +34,7 @@ LAYERS = [
       "cli",
     },
   ),
-  ("entry points", {"train", "evaluate", "plan"}),
+  ("entry points", {"train", "evaluate", "plan", "prepare_data"}),
 ]
 
 

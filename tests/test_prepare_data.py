@@ -1,0 +1,476 @@
+"""prepare_data: each converter on a fixture in its release's schema, the LiveCodeBench decoding
+(and its refusal of anything but plain data), skipped-row counts, the hub wiring (faked: nothing
+downloads), the command line, and the converted code tests run through the sandbox.
+
+The fixtures (tests/fixtures/prepare_data/) are toy problems written for these tests, with the
+field names, nesting and encodings of each published release."""
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import types
+import zlib
+
+import pytest
+
+from gppo_jax import data as data_lib
+from gppo_jax import errors
+from gppo_jax import prepare_data as pd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "prepare_data")
+ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def convert(name, fixture, options=None, **kw):
+  spec = pd.get_spec(name)
+  path = os.path.join(FIXTURES, fixture)
+  opts = options or spec.defaults
+  return pd.convert_rows(spec, pd.local_rows(pd.source_files(spec, path, opts)), opts, **kw)
+
+
+def by_id(rows):
+  return {r["id"]: r for r in rows}
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+def test_registry_entries_are_complete():
+  assert {
+    "dapo_math_17k",
+    "math500",
+    "aime24",
+    "aime25",
+    "amc23",
+    "minerva_math",
+    "olympiadbench",
+    "taco",
+    "livecodebench",
+    "humaneval_plus",
+    "mbpp_plus",
+  } <= set(pd.REGISTRY)
+  for spec in pd.REGISTRY.values():
+    assert spec.kind in pd.KINDS and spec.role in ("train", "eval")
+    assert "/" in spec.hub_id and spec.split and callable(spec.convert)
+  listing = pd.format_registry()
+  assert all(name in listing for name in pd.REGISTRY)
+  with pytest.raises(errors.UnknownNameError, match="valid names: dapo_math_17k"):
+    pd.get_spec("aime2024")
+
+
+# -- math converters ------------------------------------------------------------------------------
+
+
+def test_dapo_strips_its_instruction_removes_repeats_and_skips_missing_answers():
+  rows, s = convert("dapo_math_17k", "dapo_math_17k.jsonl")
+  assert [(r["id"], r["prompt"], r["answer"]) for r in rows] == [
+    ("7f0c-0001", "What is the sum of the first ten positive integers?", "55"),
+    ("7f0c-0003", "If $3x + 5 = 20$, what is $x$?", "5"),
+  ]
+  assert all(r["benchmark"] == "dapo_math_17k" and "tests" not in r for r in rows)
+  assert (s.read, s.written) == (4, 2)
+  assert s.not_selected == {"repeated problem": 1}
+  assert s.skipped == {"missing answer": 1}
+  assert s.first_skipped["missing answer"].endswith("dapo_math_17k.jsonl:4")
+
+
+def test_dapo_reads_the_release_parquet_with_nested_fields(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  src = [json.loads(line) for line in open(os.path.join(FIXTURES, "dapo_math_17k.jsonl"))]
+  pq.write_table(pa.Table.from_pylist(src), tmp_path / "dapo-math-17k.parquet")
+  rows, s = convert("dapo_math_17k", str(tmp_path))
+  assert rows == convert("dapo_math_17k", "dapo_math_17k.jsonl")[0]
+  assert s.skipped == {"missing answer": 1} and s.first_skipped["missing answer"].endswith("row 4")
+
+
+@pytest.mark.parametrize(
+  "name, fixture, expected",
+  [
+    ("math500", "math500.jsonl", {
+      "test/prealgebra/9001.json": ("\\frac{3}{4}", {"subject": "Prealgebra", "level": 1}),
+      "test/precalculus/9002.json": ("\\left( 3, \\frac{\\pi}{2} \\right)",
+                                     {"subject": "Precalculus", "level": 2})}),
+    ("aime24", "aime24.jsonl", {"2024-I-1": ("33", None), "2024-II-15": ("204", None)}),
+    ("aime25", "aime25.jsonl", {"2025-1": ("70", {"problem_type": ["Number Theory"]}),
+                                "2025-16": ("27", {"problem_type": ["Algebra"]})}),
+    ("amc23", "amc.jsonl", {"0": ("27", None), "1": ("3.5", None)}),
+    ("minerva_math", "minerva.jsonl", {"minerva-0": ("45", {}),
+                                        "minerva-1": ("2 \\times 10^{3}", {})}),
+    ("olympiadbench", "olympiadbench.jsonl", {
+      "2001": ("\\frac{1}{2}", {"subfield": "Algebra", "answer_type": "Numerical"}),
+      "2002": ("1, 2", {"subfield": "Algebra", "answer_type": "Numerical"})}),
+  ],
+)  # fmt: skip
+def test_math_converters(name, fixture, expected):
+  rows, s = convert(name, fixture)
+  got = by_id(rows)
+  assert set(got) == set(expected) and s.written == len(expected) and not s.skipped
+  for row_id, (answer, metadata) in expected.items():
+    row = got[row_id]
+    assert row["answer"] == answer and row["benchmark"] == name
+    assert isinstance(row["prompt"], str) and row["prompt"] and "$$" not in row["answer"]
+    if metadata is not None:
+      assert row["metadata"] == metadata
+  if name == "amc23":
+    assert s.not_selected == {"not from 2023": 1}
+
+
+def test_gold_answer_normalisation():
+  assert pd.gold_answer("033") == "33"
+  assert (
+    pd.gold_answer(70) == "70" and pd.gold_answer(27.0) == "27" and pd.gold_answer(0.5) == "0.5"
+  )
+  assert pd.gold_answer(" $\\frac{1}{2}$ ") == "\\frac{1}{2}"
+  assert pd.gold_answer("\\boxed{(1,2]}") == "(1,2]"
+  assert pd.gold_answer("$a$ and $b$") == "$a$ and $b$"  # not one delimited expression
+  for bad in (None, "", "  ", "$$", float("nan"), True, ["1"]):
+    with pytest.raises(pd.SkipRow):
+      pd.gold_answer(bad)
+
+
+def test_gold_answers_math_verify_rejects_are_skipped_and_counted():
+  def check(golds):
+    return [None if g != "204" else "bad_gold: does not parse" for g in golds]
+
+  rows, s = convert("aime24", "aime24.jsonl", check_answers=check)
+  assert [r["id"] for r in rows] == ["2024-I-1"]
+  assert s.skipped == {"gold answer rejected by math-verify (bad_gold)": 1}
+
+
+def test_limit_stops_after_n_rows():
+  rows, s = convert("dapo_math_17k", "dapo_math_17k.jsonl", limit=1)
+  assert len(rows) == 1 and s.read == 1
+
+
+# -- code converters ------------------------------------------------------------------------------
+
+
+def lcb_options(**kw):
+  return pd.Options(**{"release": "release_v2", "start_date": None, "end_date": None, **kw})
+
+
+def test_livecodebench_merges_public_and_decoded_private_tests():
+  rows, s = convert("livecodebench", "livecodebench", lcb_options())
+  got = by_id(rows)
+  assert set(got) == {"toy001_a", "9001", "toy000_a", "toy003_b"}
+  assert got["toy001_a"]["tests"] == {
+    "inputs": ["3\n", "10\n", "0\n"],
+    "outputs": ["6\n", "20\n", "0\n"],
+  }
+  assert got["toy003_b"]["tests"] == {"inputs": ["abc\n", "xy\n"], "outputs": ["cba\n", "yx\n"]}
+  # LeetCode problem: each input line is one JSON argument; private tests in the older JSON form.
+  assert got["9001"]["tests"] == {
+    "fn_name": "addPair",
+    "inputs": [[[1, 2], 3], [[], 0]],
+    "outputs": [6, 0],
+  }
+  assert "def addPair(nums: List[int], k: int) -> int:" in got["9001"]["prompt"]
+  assert "class Solution" not in got["9001"]["prompt"]
+  assert got["9001"]["metadata"]["starter_code"].startswith("class Solution")
+  assert got["toy001_a"]["metadata"]["contest_date"] == "2024-08-03"
+  assert "standard input" in got["toy001_a"]["prompt"]
+  # The row whose private tests are a pickle naming os.system is refused, not loaded.
+  assert s.skipped == {"private tests do not decode (UnpicklingError)": 1}
+  assert s.first_skipped["private tests do not decode (UnpicklingError)"].endswith("test2.jsonl:1")
+
+
+def test_livecodebench_release_and_window():
+  rows, _ = convert("livecodebench", "livecodebench", lcb_options(release="release_v1"))
+  assert {r["id"] for r in rows} == {"toy001_a", "9001", "toy000_a"}  # test.jsonl only
+  spec = pd.get_spec("livecodebench")
+  opts = pd.options_from_flags(spec, "release_v2", "2024-09-01", "")
+  rows, s = convert("livecodebench", "livecodebench", opts)
+  assert {r["id"] for r in rows} == {"9001", "toy003_b"}
+  assert s.not_selected == {"outside the release window": 2}
+  # The default window (release_v5) needs files this folder does not have.
+  with pytest.raises(errors.DataError, match="test3.jsonl, test4.jsonl, test5.jsonl"):
+    pd.source_files(spec, os.path.join(FIXTURES, "livecodebench"), spec.defaults)
+  assert pd.lcb_release_files("release_v3") == ["test.jsonl", "test2.jsonl", "test3.jsonl"]
+  assert pd.lcb_release_files("v2_v3") == ["test2.jsonl", "test3.jsonl"]
+  assert pd.lcb_release_files("v1") == ["test.jsonl"]
+  for bad in ("release_v0", "v9", "latest"):
+    with pytest.raises(errors.ConfigError, match="valid: release_v1"):
+      pd.lcb_release_files(bad)
+  with pytest.raises(errors.ConfigError, match="YYYY-MM-DD"):
+    pd.options_from_flags(spec, None, "01/08/2024", None)
+  with pytest.raises(errors.ConfigError, match="livecodebench only"):
+    pd.options_from_flags(pd.get_spec("aime24"), "release_v5", None, None)
+
+
+def test_livecodebench_private_test_decoding_accepts_plain_data_only(monkeypatch):
+  def pack(obj, raw=None):
+    return base64.b64encode(zlib.compress(raw or pickle.dumps(obj))).decode()
+
+  cases = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
+  assert pd.decode_lcb_private(pack(json.dumps(cases))) == cases
+  assert pd.decode_lcb_private(json.dumps(cases)) == cases
+  assert pd.decode_lcb_private(pack(json.dumps(cases).encode())) == cases  # pickled bytes
+  refused = {
+    "a pickle naming a callable": pack(None, b"cposix\nsystem\n(S'true'\ntR."),
+    "a pickled list instead of a JSON string": pack(cases),
+    "not base64": "%%% not base64 %%%",
+    "base64 of no zlib stream": base64.b64encode(b"plain").decode(),
+    "a JSON string of no list": pack(json.dumps({"input": "1"})),
+  }
+  for what, value in refused.items():
+    with pytest.raises(pd.SkipRow):
+      pd.decode_lcb_private(value)
+      pytest.fail(what)
+  monkeypatch.setattr(pd, "MAX_DECOMPRESSED_BYTES", 1000)
+  with pytest.raises(pd.SkipRow, match="more than 1000 bytes"):
+    pd.decode_lcb_private(pack("x" * 5000))
+
+
+def test_taco_stdio_and_call_tests():
+  rows, s = convert("taco", "taco.jsonl")
+  got = by_id(rows)
+  assert got["taco-0"]["tests"] == {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
+  assert got["taco-1"]["tests"] == {
+    "fn_name": "double",
+    "inputs": [[2], [5]],
+    "outputs": [[4], [10]],
+  }
+  assert "def double(x: int) -> int:" in got["taco-1"]["prompt"]
+  assert got["taco-0"]["metadata"] == {
+    "name": "sum2",
+    "source": "toy",
+    "difficulty": "EASY",
+    "url": "https://example.org/sum2",
+  }
+  assert s.skipped == {"input_output is not JSON (JSONDecodeError)": 1}
+
+
+def test_io_tests_reject_what_the_sandbox_cannot_run():
+  assert pd.io_tests([["a", "b"]], ["c"], None) == {"inputs": ["a\nb\n"], "outputs": ["c"]}
+  for inputs, outputs, fn in [
+    ([], [], None),
+    (["1"], [], None),
+    ([1], ["1"], None),
+    ([1], [2], "f"),
+    ([[1]], [2], "not a name"),
+    ("1", "1", None),
+  ]:
+    with pytest.raises(pd.SkipRow):
+      pd.io_tests(inputs, outputs, fn)
+
+
+def test_top_level_starter():
+  cls = "class Solution:\n    def maxSum(self, nums: List[int],\n               k: int) -> int:\n"
+  assert pd.top_level_starter(cls, "maxSum") == (
+    "from typing import *\n\ndef maxSum(nums: List[int], k: int) -> int:\n    "
+  )
+  assert pd.top_level_starter("class Solution:\n    def f(self):\n", "f") == "def f():\n    "
+  assert pd.top_level_starter("def g(a, b):\n", "g") == "def g(a, b):\n"
+  assert pd.top_level_starter("class Solution:\n    def other(self, x):\n", "f").startswith("class")
+
+
+def run_check(tests, fn):
+  """Runs a converted check-style test in this process (trusted fixture code) against `fn`."""
+  ns = {"__name__": "__check__"}
+  exec(tests["setup_code"], ns)
+  ns[tests["entry_point"]] = fn
+  exec(tests["test_code"], ns)
+  ns["check"](fn)
+
+
+def test_humaneval_plus_check_runs_without_numpy():
+  rows, s = convert("humaneval_plus", "humanevalplus.jsonl")
+  (row,) = rows
+  tests = row["tests"]
+  assert row["id"] == "HumanEval/9000" and tests["entry_point"] == "mean_of" and not s.skipped
+  assert "import numpy" not in tests["test_code"] and "def mean_of" in tests["setup_code"]
+  assert "```python\nfrom typing import List" in row["prompt"]
+  run_check(tests, lambda xs: sum(xs) / len(xs))
+  run_check(tests, lambda xs: sum(xs) / len(xs) + 1e-9)  # within the float tolerance
+  for wrong in (lambda xs: sum(xs) / len(xs) + 1e-3, lambda xs: 0.0, lambda xs: "2.0"):
+    with pytest.raises((AssertionError, TypeError)):
+      run_check(tests, wrong)
+
+
+def test_numpy_stand_in():
+  ns = {}
+  exec(pd.NUMPY_STAND_IN, ns)
+  np = ns["np"]
+  assert np.allclose([1.0, 2.0], (1.0, 2.0 + 1e-9)) and np.allclose(3, [3.0, 3.0])
+  assert not np.allclose([1.0, 2.0], [1.0, 2.1]) and not np.allclose(float("nan"), float("nan"))
+  assert np.allclose(float("inf"), float("inf")) and not np.allclose(float("inf"), 1e308)
+  with pytest.raises(ValueError):
+    np.allclose([1.0], [1.0, 2.0])
+  with pytest.raises(pd.SkipRow, match="mean"):
+    pd.without_numpy("import numpy as np\nx = np.mean([1])\n")
+  with pytest.raises(pd.SkipRow, match="another way"):
+    pd.without_numpy("from numpy import allclose\n")
+  assert pd.without_numpy("def check(candidate):\n    pass\n") == (
+    "def check(candidate):\n    pass\n"
+  )
+
+
+def test_mbpp_plus_module_level_test_runs_inside_check():
+  rows, s = convert("mbpp_plus", "mbppplus.jsonl")
+  (row,) = rows
+  tests = row["tests"]
+  assert row["id"] == "Mbpp/9002" and tests["entry_point"] == "shared_items" and not s.skipped
+  assert "assert set(shared_items((3, 4, 5), (5, 4, 9)))" in row["prompt"]
+  run_check(tests, lambda a, b: tuple(sorted(set(a) & set(b))))
+  with pytest.raises(AssertionError):
+    run_check(tests, lambda a, b: tuple(sorted(set(a) | set(b))))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+def test_unreadable_lines_and_json_arrays(tmp_path):
+  bad = tmp_path / "aime.jsonl"
+  good = json.loads(open(os.path.join(FIXTURES, "aime24.jsonl")).readline())
+  bad.write_text(json.dumps(good) + "\n{not json\n[1, 2]\n")
+  rows, s = convert("aime24", str(bad))
+  assert len(rows) == 1 and s.read == 3
+  assert s.skipped == {
+    "invalid JSON (Expecting property name enclosed in double quotes)": 1,
+    "row is a list, not an object": 1,
+  }
+  array = tmp_path / "aime.json"
+  array.write_text(json.dumps([good]))
+  assert convert("aime24", str(array))[0] == rows
+  with pytest.raises(errors.MissingFileError):
+    convert("aime24", str(tmp_path / "missing.jsonl"))
+
+
+def test_hub_loading_is_wired_to_the_registered_ids(monkeypatch):
+  calls = []
+
+  def load_dataset(*args, **kwargs):
+    calls.append((args, kwargs))
+    return [{"problem": "Find $1+1$.", "answer": "2", "url": "x/2024_AIME_I_Problems/Problem_1"}]
+
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+  spec = pd.get_spec("aime24")
+  rows, _ = pd.convert_rows(spec, pd.hub_rows(spec, spec.defaults))
+  assert rows[0]["id"] == "2024-I-1"
+  olymp = pd.get_spec("olympiadbench")
+  list(pd.hub_rows(olymp, olymp.defaults))
+  taco = pd.get_spec("taco")
+  list(pd.hub_rows(taco, taco.defaults))
+  assert calls == [
+    (("HuggingFaceH4/aime_2024", None), {"split": "train"}),
+    (("Hothan/OlympiadBench", "OE_TO_maths_en_COMP"), {"split": "train"}),
+    (
+      ("parquet",),
+      {"data_files": {"train": "hf://datasets/BAAI/TACO/ALL/train-*.parquet"}, "split": "train"},
+    ),
+  ]
+
+  downloads = []
+
+  def hf_hub_download(repo_id, filename, repo_type):
+    downloads.append((repo_id, filename, repo_type))
+    return os.path.join(FIXTURES, "livecodebench", filename)
+
+  monkeypatch.setitem(
+    sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download)
+  )
+  lcb = pd.get_spec("livecodebench")
+  rows, _ = pd.convert_rows(lcb, pd.hub_rows(lcb, lcb_options()), lcb_options())
+  assert len(rows) == 4
+  assert downloads == [
+    ("livecodebench/code_generation_lite", f, "dataset") for f in ("test.jsonl", "test2.jsonl")
+  ]
+
+  def failing(*args, **kwargs):
+    raise ConnectionError("no network")
+
+  monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=failing))
+  with pytest.raises(errors.UserError, match="pass --source"):
+    list(pd.hub_rows(spec, spec.defaults))
+
+
+# -- the command line and the project's loader ----------------------------------------------------
+
+
+def run_cli(*args):
+  return subprocess.run(
+    [sys.executable, "-m", "gppo_jax.prepare_data", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+
+
+def test_cli_writes_a_file_the_trainer_loads(tmp_path):
+  out = tmp_path / "eval" / "aime24.jsonl"
+  res = run_cli("aime24", f"--source={FIXTURES}/aime24.jsonl", f"--out={out}")
+  assert res.returncode == 0, res.stderr
+  assert res.stdout.strip() == f"aime24: wrote 2 rows to {out} (read 2, skipped 0)"
+  ds = data_lib.load_dataset(str(out), task="math")
+  assert [(e.id, e.answer) for e in ds.examples] == [("2024-I-1", "33"), ("2024-II-15", "204")]
+  assert all(json.loads(line)["benchmark"] == "aime24" for line in open(out))
+
+
+def test_code_outputs_load_with_the_projects_reader(tmp_path):
+  for name, fixture, options in [
+    ("livecodebench", "livecodebench", lcb_options()),
+    ("taco", "taco.jsonl", None),
+    ("humaneval_plus", "humanevalplus.jsonl", None),
+    ("mbpp_plus", "mbppplus.jsonl", None),
+  ]:
+    rows, _ = convert(name, fixture, options)
+    path = str(tmp_path / f"{name}.jsonl")
+    pd.write_jsonl(rows, path)
+    ds = data_lib.load_dataset(path, task="code")
+    assert [e.tests for e in ds.examples] == [r["tests"] for r in rows]
+
+
+def test_written_files_survive_text_utf8_cannot_encode(tmp_path):
+  rows = [{"id": "a", "prompt": "caf\u00e9 \ud800", "answer": "1"}]
+  pd.write_jsonl(rows, str(tmp_path / "x.jsonl"))
+  assert [r for _, r in data_lib.read_rows(str(tmp_path / "x.jsonl"))] == rows
+  assert os.listdir(tmp_path) == ["x.jsonl"]
+
+
+def test_cli_unknown_name_and_bad_flags_are_one_line_errors(tmp_path):
+  res = run_cli("aime2024", f"--out={tmp_path}/x.jsonl")
+  assert res.returncode == 2
+  lines = res.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: unknown dataset 'aime2024'; valid names:")
+  assert all(name in lines[0] for name in pd.REGISTRY)
+  res = run_cli("aime24", f"--source={FIXTURES}/aime24.jsonl", f"--out={tmp_path}/x.parquet")
+  assert res.returncode == 2 and "name it *.jsonl" in res.stderr
+
+
+# -- the converted code tests run in the sandbox --------------------------------------------------
+
+
+@pytest.mark.skipif(not ROOT, reason="the isolated sandbox needs root")
+def test_converted_code_tests_run_in_the_sandbox():
+  from gppo_jax import code_reward as cr
+  from gppo_jax.sandbox import Sandbox, SandboxConfig
+
+  rows = by_id(convert("livecodebench", "livecodebench", lcb_options())[0])
+  rows.update(by_id(convert("taco", "taco.jsonl")[0]))
+  rows.update(by_id(convert("humaneval_plus", "humanevalplus.jsonl")[0]))
+  rows.update(by_id(convert("mbpp_plus", "mbppplus.jsonl")[0]))
+  solutions = {  # id: (right, wrong)
+    "toy001_a": ("print(2 * int(input()))", "print(int(input()))"),
+    "9001": ("from typing import *\ndef addPair(nums: List[int], k: int) -> int:\n"
+             "    return sum(nums) + k", "def addPair(nums, k):\n    return k"),
+    "taco-0": ("a, b = map(int, input().split())\nprint(a + b)", "print(3)"),
+    "taco-1": ("def double(x):\n    return 2 * x", "def double(x):\n    return x"),
+    "HumanEval/9000": ("from typing import List\ndef mean_of(xs: List[float]) -> float:\n"
+                       "    return sum(xs) / len(xs)", "def mean_of(xs):\n    return xs[0]"),
+    "Mbpp/9002": ("def shared_items(a, b):\n    return tuple(sorted(set(a) & set(b)))",
+                  "def shared_items(a, b):\n    return tuple(a)"),
+  }  # fmt: skip
+  ids = list(solutions)
+  responses = [f"```python\n{solutions[i][k]}\n```" for k in (0, 1) for i in ids]
+  with Sandbox(SandboxConfig(timeout_s=5.0, memory_bytes=512 << 20, num_slots=2)) as sandbox:
+    results = cr.CodeScorer(sandbox).score_batch(responses, [rows[i]["tests"] for i in ids] * 2)
+  right, wrong = results[: len(ids)], results[len(ids) :]
+  assert [(i, r.status, r.detail) for i, r in zip(ids, right, strict=True) if r.score != 1.0] == []
+  assert [i for i, r in zip(ids, wrong, strict=True) if not (r.valid and r.score < 1.0)] == []
