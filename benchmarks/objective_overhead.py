@@ -61,11 +61,10 @@ def make_loss(name: str):
     return ppo_clip_loss
   div, est = name.split("-")
   delta = theory.default_delta(div, EPS)
+  loss_cfg = objective.LossConfig(divergence=div, estimator=est, delta_low=delta)
 
   def loss(logp, logq, adv, mask):
-    value, _ = objective.policy_loss(
-      logp, logq, adv, mask, divergence=div, estimator=est, delta_low=delta
-    )
+    value, _ = objective.policy_loss(logp, logq, adv, mask, loss_cfg)
     return value
 
   return loss

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import errors
+from gppo_jax import registry
 
 Array = jax.Array
 AdvantageFn = Callable[..., Array]
@@ -79,29 +79,26 @@ def zero_signal_groups(rewards: Array, *, atol: float = 1e-6) -> Array:
   return jnp.sum(~signal_mask(rewards, atol=atol))
 
 
-_REGISTRY: dict[str, AdvantageFn] = {
-  "grpo": grpo,
-  "dr_grpo": dr_grpo,
-  "rloo": rloo,
-  "batch_std": batch_std,
-}
+_REGISTRY: registry.Registry[AdvantageFn] = registry.Registry("advantage estimator")
+for _name, _fn in (("grpo", grpo), ("dr_grpo", dr_grpo), ("rloo", rloo), ("batch_std", batch_std)):
+  _REGISTRY.register(_name, _fn)
+del _name, _fn
 
 
-def register(name: str, fn: AdvantageFn, *, overwrite: bool = False) -> None:
-  """Registers fn(rewards [num_groups, G], **kwargs) -> advantages [num_groups, G]."""
-  if name in _REGISTRY and not overwrite:
-    raise ValueError(f"advantage estimator {name!r} already registered")
-  _REGISTRY[name] = fn
+def register(name: str, fn: AdvantageFn | None = None, *, overwrite: bool = False):
+  """Registers fn(rewards [num_groups, G], **kwargs) -> advantages [num_groups, G] under `name`
+  and returns fn; without fn, a decorator: `@advantages.register("name")`."""
+  if fn is None:
+    return _REGISTRY.register(name, overwrite=overwrite)
+  return _REGISTRY.register(name, fn, overwrite=overwrite)
 
 
 def names() -> list[str]:
-  return list(_REGISTRY)
+  return _REGISTRY.names()
 
 
 def get(name: str) -> AdvantageFn:
-  if name not in _REGISTRY:
-    raise errors.unknown_name("advantage estimator", name, names())
-  return _REGISTRY[name]
+  return _REGISTRY.get(name)
 
 
 def compute(name: str, rewards: Array, **kwargs) -> tuple[Array, dict[str, Array]]:

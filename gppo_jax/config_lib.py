@@ -10,6 +10,7 @@ error. Everything else is overridden on the command line: `--config.loss.delta_h
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import numbers
@@ -131,15 +132,16 @@ def base(
   c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
   c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
 
-  cell = presets.cell("kl", "atomic")
+  # The fields of objective.LossConfig, exactly (the trainer reads them with
+  # LossConfig.from_config; config files write a preset's with use_settings).
+  loss = presets.cell("kl", "atomic").loss
   c.loss = ml_collections.ConfigDict()
-  c.loss.divergence = cell.divergence
-  c.loss.estimator = cell.estimator
+  c.loss.divergence = loss.divergence
+  c.loss.estimator = loss.estimator
   # Default radii f(1 - 0.2) match PPO's contraction bound; the paper's own deltas are unknown to
   # us and are a sweep axis.
-  c.loss.delta_low = cell.delta_low
-  c.loss.delta_high = cell.delta_high
-  c.loss.aggregation = "token-mean"
+  c.loss.delta_low, c.loss.delta_high = loss.radii
+  c.loss.aggregation = loss.aggregation
   c.loss.max_len = ml_collections.config_dict.placeholder(int)  # Dr.GRPO normaliser (default R)
   c.loss.ratio_cap = ml_collections.config_dict.placeholder(float)
   c.loss.dual_clip = ml_collections.config_dict.placeholder(float)
@@ -206,18 +208,14 @@ def base(
   return c
 
 
-def use_settings(
-  c: ml_collections.ConfigDict, s: presets.LossSettings
-) -> ml_collections.ConfigDict:
-  """Writes a LossSettings (trust region, aggregation, advantage) into config `c`."""
-  c.loss.divergence = s.divergence
-  c.loss.estimator = s.estimator
-  c.loss.delta_low = s.delta_low
-  c.loss.delta_high = s.delta_high
-  c.loss.aggregation = s.aggregation
-  c.loss.ratio_cap = s.ratio_cap
-  c.loss.dual_clip = s.dual_clip
-  c.advantage.name = s.advantage
+def use_settings(c: ml_collections.ConfigDict, preset: presets.Preset) -> ml_collections.ConfigDict:
+  """Writes a preset into config `c`: every field of its LossConfig into `c.loss` (delta_high None
+  as delta_low) and its advantage estimator into `c.advantage.name`."""
+  loss = preset.loss
+  for field in dataclasses.fields(loss):
+    c.loss[field.name] = getattr(loss, field.name)
+  c.loss.delta_low, c.loss.delta_high = loss.radii
+  c.advantage.name = preset.advantage
   return c
 
 
@@ -452,7 +450,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise errors.ConfigError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
   if c.loss.estimator == "exact":
     raise errors.ConfigError(
-      "loss.estimator='exact' is a diagnostic, not a trust region for training"
+      "loss.estimator='exact' is a diagnostic (estimators.estimate over the full vocabulary), "
+      "not a trust region for training (use e.g. atomic)"
     )
   if c.data.train_path is None and c.model.path is not None:
     raise errors.ConfigError(

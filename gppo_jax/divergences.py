@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import errors
+from gppo_jax import errors, registry
 
 Array = jax.Array
 
@@ -168,7 +168,7 @@ def _alpha_limits(alpha: float) -> tuple[float, float]:
 
 # --- Registry ----------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, Divergence] = {}
+_REGISTRY: registry.Registry[Divergence] = registry.Registry("divergence", hint=" or 'alpha:<a>'")
 
 
 def check_generator(name: str, f: Callable[[Array], Array]) -> None:
@@ -203,10 +203,7 @@ def register(
   b * f(a / b) is evaluated directly from the clipped ratio. The limits f(0) and f(t)/t at
   infinity default to numerical estimates.
   """
-  if not name or not isinstance(name, str):
-    raise ValueError(f"divergence name must be a non-empty string, got {name!r}")
-  if name in _REGISTRY and not overwrite:
-    raise ValueError(f"divergence {name!r} is already registered (pass overwrite=True to replace)")
+  _REGISTRY.check_free(name, overwrite=overwrite)  # before f is evaluated below
   if validate:
     check_generator(name, f)
   if f_at_zero is None:
@@ -224,8 +221,7 @@ def register(
     slope_at_inf=slope_at_inf,
     description=description,
   )
-  _REGISTRY[name] = div
-  return div
+  return _REGISTRY.register(name, div, overwrite=overwrite)
 
 
 def alpha(alpha_value: float) -> Divergence:
@@ -238,24 +234,25 @@ def alpha(alpha_value: float) -> Divergence:
   name = f"alpha:{alpha_value:g}"
   if name not in _REGISTRY:
     f0, slope = _alpha_limits(alpha_value)
-    _REGISTRY[name] = Divergence(
-      name=name,
-      f=_alpha_f(alpha_value),
-      perspective=_alpha_perspective(alpha_value),
-      f_at_zero=f0,
-      slope_at_inf=slope,
-      description=f"alpha-divergence, alpha = {alpha_value:g}",
+    _REGISTRY.register(
+      name,
+      Divergence(
+        name=name,
+        f=_alpha_f(alpha_value),
+        perspective=_alpha_perspective(alpha_value),
+        f_at_zero=f0,
+        slope_at_inf=slope,
+        description=f"alpha-divergence, alpha = {alpha_value:g}",
+      ),
     )
-  return _REGISTRY[name]
+  return _REGISTRY.get(name)
 
 
 def get(name: str | Divergence) -> Divergence:
   """Looks up a divergence by name ("kl", "alpha:0.5", ...); passes Divergence objects through."""
   if isinstance(name, Divergence):
     return name
-  if isinstance(name, str) and name in _REGISTRY:
-    return _REGISTRY[name]
-  if isinstance(name, str) and name.startswith("alpha:"):
+  if name not in _REGISTRY and isinstance(name, str) and name.startswith("alpha:"):
     try:
       value = float(name.split(":", 1)[1])
     except ValueError:
@@ -263,12 +260,12 @@ def get(name: str | Divergence) -> Divergence:
         f"bad alpha divergence name {name!r}; expected e.g. 'alpha:0.5'"
       ) from None
     return alpha(value)
-  raise errors.unknown_name("divergence", name, names(), " or 'alpha:<a>'")
+  return _REGISTRY.get(name)  # UnknownNameError naming the registered divergences
 
 
 def names() -> list[str]:
   """Registered divergence names, the paper's four first."""
-  return list(_REGISTRY)
+  return _REGISTRY.names()
 
 
 register(

@@ -14,7 +14,8 @@ b * f(a / b) (see `gppo_jax.divergences`):
 Inputs are cast to float32; complements 1 - p come from log1mexp so nothing divides by a vanishing
 1 - q. Values and gradients are finite for p, q in [1e-30, 1 - 1e-7] and for bf16 inputs.
 
-New estimators: `register("name", fn)` with fn(divergence, logp, logq, **kwargs) -> estimate.
+New estimators: `register("name", fn)` (or `@register("name")` on fn) with
+fn(divergence, logp, logq, **kwargs) -> estimate; the name then works in the loss and configs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gppo_jax import divergences as divs
-from gppo_jax import errors
+from gppo_jax import registry
 
 Array = jax.Array
 EstimatorFn = Callable[..., Array]
@@ -193,32 +194,31 @@ def exact(
   return total.reshape(lead)
 
 
-_REGISTRY: dict[str, EstimatorFn] = {
-  "mc": mc,
-  "binary": binary,
-  "atomic": atomic,
-  "topk": topk,
-  "exact": exact,
-}
+_REGISTRY: registry.Registry[EstimatorFn] = registry.Registry("estimator")
+for _name, _fn in (("mc", mc), ("binary", binary), ("atomic", atomic), ("topk", topk)):
+  _REGISTRY.register(_name, _fn)
+del _name, _fn
+# A diagnostic: `estimate(..., "exact", ...)` works, but config validation rejects it as a loss.
+_REGISTRY.register("exact", exact)
 
 
-def register(name: str, fn: EstimatorFn, *, overwrite: bool = False) -> None:
-  """Registers fn(divergence, logp, logq, **kwargs) -> per-token estimate under `name`."""
-  if name in _REGISTRY and not overwrite:
-    raise ValueError(f"estimator {name!r} is already registered (pass overwrite=True to replace)")
-  _REGISTRY[name] = fn
+def register(name: str, fn: EstimatorFn | None = None, *, overwrite: bool = False):
+  """Registers fn(divergence, logp, logq, **kwargs) -> per-token estimate under `name` and returns
+  fn; without fn, a decorator: `@estimators.register("name")`."""
+  if fn is None:
+    return _REGISTRY.register(name, overwrite=overwrite)
+  return _REGISTRY.register(name, fn, overwrite=overwrite)
 
 
 def names() -> list[str]:
-  return list(_REGISTRY)
+  return _REGISTRY.names()
 
 
 def get(name: str | EstimatorFn) -> EstimatorFn:
+  """Looks up an estimator by name; passes callables through."""
   if callable(name):
     return name
-  if name not in _REGISTRY:
-    raise errors.unknown_name("estimator", name, names())
-  return _REGISTRY[name]
+  return _REGISTRY.get(name)
 
 
 def estimate(

@@ -9,11 +9,16 @@ stopped only when the update would push it further out (A (r - 1) > 0):
 With divergence="tv", estimator="mc" and delta = eps / 2 this is PPO's clipped objective (identical
 gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation
 over micro-batches reproduces the full-batch loss exactly (pass the full count as `normalizer`).
+
+`LossConfig` holds every setting of the loss in one frozen value: presets, config files
+(`config.loss` has the same fields), the update step and `policy_loss` all use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -59,6 +64,67 @@ def _check_delta(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be > 0 (a trust-region radius), got {value}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """Everything that defines the loss, in one frozen, hashable value (a static argument of jit).
+
+  Its fields are exactly those of a training config's `config.loss`: config files write a preset's
+  LossConfig there (`config_lib.use_settings`) and the trainer reads it back with `from_config`.
+
+    LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
+    presets.get("dppo").loss.replace(ratio_cap=2.0)
+
+  Attributes:
+    divergence, estimator: registry names (or objects) of the trust region's geometry
+      (docs/math.md#divergences, #estimators).
+    delta_low, delta_high: radii for tokens pushed below / above ratio 1; delta_high None means
+      delta_low. Both must be > 0 (inf = no trust region). Deltas may also be traced arrays (then
+      the LossConfig is not hashable and cannot be a static argument).
+    aggregation: one of AGGREGATIONS; max_len is the Dr.GRPO normaliser (None: the batch's T).
+    ratio_cap: if set, the importance weight in the gradient is stop_gradient(min(r, C)) (DPPO).
+    dual_clip: if set (PPO uses 3), tokens with A < 0 and r > dual_clip are also stopped.
+    kl_coef: penalty kl_coef * k3(pi || ref) per token; > 0 needs `ref_logp` in `policy_loss`.
+    entropy_coef: bonus entropy_coef * H per token; > 0 needs `entropy` in `policy_loss`.
+  """
+
+  divergence: str | divs.Divergence = "kl"
+  estimator: str | ests.EstimatorFn = "atomic"
+  delta_low: float | Array
+  delta_high: float | Array | None = None
+  aggregation: str = "token-mean"
+  max_len: int | None = None
+  ratio_cap: float | None = None
+  dual_clip: float | None = None
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+
+  def __post_init__(self):
+    _check_delta("delta_low", self.delta_low)
+    _check_delta("delta_high", self.delta_high)
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(
+        f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
+      )
+
+  @property
+  def radii(self) -> tuple[float | Array, float | Array]:
+    """(delta_low, delta_high) with delta_high None read as delta_low."""
+    return self.delta_low, self.delta_low if self.delta_high is None else self.delta_high
+
+  def replace(self, **changes) -> LossConfig:
+    """A copy with some fields changed (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_config(cls, section: Mapping[str, Any], response_len: int | None = None) -> LossConfig:
+    """The LossConfig of a training config's `loss` section (fields it lacks keep their
+    defaults); `loss.max_len` None becomes `response_len`, the padded response length."""
+    values = {f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section}
+    if values.get("max_len") is None:
+      values["max_len"] = response_len
+    return cls(**values)
+
+
 def _masked_mean(x: Array, mask: Array, count: Array) -> Array:
   return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(count, 1.0)
 
@@ -68,50 +134,46 @@ def policy_loss(
   logq: Array,
   advantages: Array,
   mask: Array,
+  loss: LossConfig,
   *,
-  divergence: str | divs.Divergence,
-  estimator: str | ests.EstimatorFn,
-  delta_low: float | Array,
-  delta_high: float | Array | None = None,
-  aggregation: str = "token-mean",
-  max_len: int | None = None,
-  ratio_cap: float | None = None,
-  dual_clip: float | None = None,
   ref_logp: Array | None = None,
-  kl_coef: float = 0.0,
   entropy: Array | None = None,
-  entropy_coef: float = 0.0,
   normalizer: Array | float | None = None,
   estimator_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """GPPO's clipped surrogate loss and its metrics.
+
+    policy_loss(logp, logq, adv, mask, LossConfig(divergence="kl", estimator="atomic",
+                                                  delta_low=0.0231))
 
   Args:
     logp: [B, T] log pi(a_t | s_t) under the policy being optimised (carries the gradient).
     logq: [B, T] behaviour log-probs mu(a_t | s_t) recorded at rollout time.
     advantages: [B] (one per sequence) or [B, T].
     mask: [B, T] bool/0-1, True for response tokens that count.
-    divergence, estimator: registry names (or objects) of the trust region's geometry.
-    delta_low, delta_high: radii for tokens pushed below / above ratio 1 (delta_high defaults to
-      delta_low).
-    aggregation: one of AGGREGATIONS; max_len is the Dr.GRPO normaliser (default: T).
-    ratio_cap: if set, the importance weight in the gradient is stop_gradient(min(r, C)) (DPPO).
-    dual_clip: if set (PPO uses 3), tokens with A < 0 and r > dual_clip are also stopped.
-    ref_logp, kl_coef: optional penalty kl_coef * k3(pi || ref) per token, same aggregation.
-    entropy, entropy_coef: optional per-token entropies [B, T] and a bonus coefficient.
+    loss: the LossConfig (divergence, estimator, radii, aggregation, options, coefficients).
+    ref_logp: [B, T] log-probs of the frozen reference policy (used when loss.kl_coef > 0).
+    entropy: [B, T] per-token entropies (used when loss.entropy_coef > 0).
     normalizer: if given, loss = sum / normalizer (use the full batch's count under gradient
       accumulation); otherwise loss = sum / count of this batch.
-    estimator_kwargs: extra inputs of estimators such as "topk" or "exact".
+    estimator_kwargs: the per-token inputs of estimators such as "topk" or "exact".
 
   Returns:
     (loss, metrics): metrics is a flat dict of scalars, including "loss/sum" and "loss/count".
   """
-  if delta_high is None:
-    delta_high = delta_low
-  _check_delta("delta_low", delta_low)
-  _check_delta("delta_high", delta_high)
-  if aggregation not in AGGREGATIONS:
-    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+  if not isinstance(loss, LossConfig):
+    raise TypeError(
+      f"policy_loss takes a LossConfig, got {type(loss).__name__}: "
+      "policy_loss(logp, logq, adv, mask, LossConfig(divergence=..., estimator=..., delta_low=...))"
+    )
+  delta_low, delta_high = loss.radii
+  aggregation, max_len = loss.aggregation, loss.max_len
+  ratio_cap, dual_clip = loss.ratio_cap, loss.dual_clip
+  kl_coef, entropy_coef = loss.kl_coef, loss.entropy_coef
+  if kl_coef and ref_logp is None:
+    raise ValueError(f"kl_coef = {kl_coef} needs ref_logp (the reference policy's log-probs)")
+  if entropy_coef and entropy is None:
+    raise ValueError(f"entropy_coef = {entropy_coef} needs entropy (per-token entropies)")
   logp = jnp.asarray(logp)
   logq = jnp.asarray(logq)
   mask = jnp.asarray(mask)
@@ -130,8 +192,8 @@ def policy_loss(
   for name, arr in (("ref_logp", ref_logp), ("entropy", entropy)):
     if arr is not None and jnp.shape(arr) != logp.shape:
       raise ValueError(f"{name} must have shape {logp.shape}, got {jnp.shape(arr)}")
-  div = divs.get(divergence)
-  est_fn = ests.get(estimator)
+  div = divs.get(loss.divergence)
+  est_fn = ests.get(loss.estimator)
 
   valid = mask.astype(bool)
   logp32 = logp.astype(jnp.float32)
@@ -164,25 +226,25 @@ def policy_loss(
   per_token = per_token_policy
 
   metrics: dict[str, Array] = {}
-  if ref_logp is not None and kl_coef:
+  if kl_coef:
     # k3 estimate of KL(pi || ref) on samples from (approximately) pi.
     log_ref_ratio = jnp.asarray(ref_logp, jnp.float32) - logp32
     kl_ref = jnp.expm1(log_ref_ratio) - log_ref_ratio
     per_token = per_token + kl_coef * kl_ref
     metrics["loss/kl_ref"] = aggregate_terms(kl_ref, valid, aggregation, max_len)
-  if entropy is not None and entropy_coef:
+  if entropy_coef:
     ent = jnp.asarray(entropy, jnp.float32)
     per_token = per_token - entropy_coef * ent
     metrics["loss/entropy"] = aggregate_terms(ent, valid, aggregation, max_len)
 
   total_sum, count = aggregate_terms(per_token, valid, aggregation, max_len)
   denom = jnp.maximum(count, 1.0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-  loss = total_sum / denom
+  value = total_sum / denom
 
   policy_sum, _ = aggregate_terms(per_token_policy, valid, aggregation, max_len)
   n_tok = jnp.sum(valid.astype(jnp.float32))
   out_metrics = {
-    "loss/total": loss,
+    "loss/total": value,
     "loss/policy": jax.lax.stop_gradient(policy_sum / jnp.maximum(count, 1.0)),
     "loss/sum": jax.lax.stop_gradient(total_sum),
     "loss/count": count,
@@ -200,4 +262,4 @@ def policy_loss(
     out_metrics["trust/dual_clip_frac"] = jnp.sum(out_dual) / jnp.maximum(n_tok, 1.0)
   for key, (s, c) in metrics.items():
     out_metrics[key] = jax.lax.stop_gradient(s / jnp.maximum(c, 1.0))
-  return loss, out_metrics
+  return value, out_metrics

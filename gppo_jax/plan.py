@@ -119,9 +119,8 @@ def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp
     opt_state=jax.eval_shape(tx.init, abstract_params),
     step=jax.ShapeDtypeStruct((), jnp.int32),
   )
-  spec = train_step.update_spec_from_config(config, prompt_len)
-  loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
-  return train_step.make_update_fn(graphdef, tx, spec, loss_kwargs), state, spec
+  spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
+  return train_step.make_update_fn(graphdef, tx, spec), state, spec
 
 
 def abstract_batch(n: int, prompt_len: int, resp_len: int, spec, num_topk: int) -> dict:
@@ -132,7 +131,7 @@ def abstract_batch(n: int, prompt_len: int, resp_len: int, spec, num_topk: int) 
   batch["attn"] = s((n, seq), jnp.bool_)
   batch.update(logq=s((n, resp_len), jnp.float32), mask=s((n, resp_len), jnp.bool_))
   batch["adv"] = s((n,), jnp.float32)
-  if spec.kl_coef > 0:
+  if spec.use_ref_logp:
     batch["ref_logp"] = s((n, resp_len), jnp.float32)
   if spec.use_topk:
     batch["topk_logq"] = s((n, resp_len, num_topk), jnp.float32)

@@ -243,6 +243,8 @@ def _quadratic_constant(div: divs.Divergence) -> float:
 def default_delta(divergence: str | divs.Divergence, eps: float = 0.2) -> float:
   """delta_f = f(1 - eps): the radius whose contraction side matches PPO's clip.
 
+  Evaluates the registered generator in float64 (jax, compiled), so it works for any divergence;
+  `presets.default_delta` gives the same values for the built-ins in plain Python, without jax.
   See docs/math.md#default-delta.
   """
   if not 0 < eps < 1:

@@ -197,9 +197,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   sampling = experiment.sampling_params(config, env, stop_ids=stop_ids, pad_id=pad_id)
   resp_len = sampling.max_new_tokens
   prompt_len = env.max_prompt_len
-  loss_kwargs = train_step.loss_kwargs_from_config(config, resp_len)
-  spec = train_step.update_spec_from_config(config, prompt_len)
-  update_fn = train_step.make_update_fn(graphdef, tx, spec, loss_kwargs)
+  spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
+  update_fn = train_step.make_update_fn(graphdef, tx, spec)
   logprob_fn = train_step.make_logprob_fn(
     graphdef, prompt_len=prompt_len, temperature=config.rollout.temperature
   )

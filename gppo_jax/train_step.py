@@ -88,33 +88,16 @@ def optimizer_from_config(config) -> optax.GradientTransformation:
   )
 
 
-def loss_kwargs_from_config(config, response_len: int) -> dict[str, Any]:
-  """Keyword arguments of `objective.policy_loss` from config.loss."""
-  l = config.loss
-  return dict(
-    divergence=l.divergence,
-    estimator=l.estimator,
-    delta_low=l.delta_low,
-    delta_high=l.delta_high,
-    aggregation=l.aggregation,
-    max_len=l.max_len or response_len,
-    ratio_cap=l.ratio_cap,
-    dual_clip=l.dual_clip,
-  )
-
-
-def update_spec_from_config(config, prompt_len: int) -> UpdateSpec:
-  """The static shape of one update (epochs, mini/micro-batches, loss extras) from a config."""
+def update_spec_from_config(config, prompt_len: int, response_len: int) -> UpdateSpec:
+  """The static shape of one update (epochs, mini/micro-batches) and its loss, from a config."""
   u = config.train
   return UpdateSpec(
     prompt_len=prompt_len,
+    loss=objective.LossConfig.from_config(config.loss, response_len),
     epochs=u.epochs,
     minibatches=u.minibatches,
     microbatches=u.microbatches,
     temperature=config.rollout.temperature,
-    entropy_coef=config.loss.entropy_coef,
-    kl_coef=config.loss.kl_coef,
-    use_topk=config.loss.estimator == "topk",
   )
 
 
@@ -161,26 +144,31 @@ def make_logprob_fn(graphdef: nnx.GraphDef, *, prompt_len: int, temperature: flo
 
 @dataclasses.dataclass(frozen=True)
 class UpdateSpec:
-  """Static shape of one update: how the rollout batch is cut and what the loss needs."""
+  """Static shape of one update: how the rollout batch is cut, and the loss."""
 
   prompt_len: int
+  loss: objective.LossConfig
   epochs: int = 1
   minibatches: int = 1
   microbatches: int = 1
   temperature: float = 1.0
-  entropy_coef: float = 0.0
-  kl_coef: float = 0.0
-  use_topk: bool = False
+
+  @property
+  def use_topk(self) -> bool:
+    """Whether the batch carries the behaviour top-K (topk_logq, topk_ids) for the estimator."""
+    return self.loss.estimator == "topk"
+
+  @property
+  def use_ref_logp(self) -> bool:
+    """Whether the batch carries the reference policy's log-probs (ref_logp) for the KL penalty."""
+    return self.loss.kl_coef > 0
 
 
 def make_update_fn(
-  graphdef: nnx.GraphDef,
-  tx: optax.GradientTransformation,
-  spec: UpdateSpec,
-  loss_kwargs: dict[str, Any],
+  graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: UpdateSpec
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
   """Returns update(state, batch, rng) -> (state, metrics [epochs * minibatches] per key)."""
-  aggregation = loss_kwargs.get("aggregation", "token-mean")
+  loss_cfg = spec.loss
 
   def loss_fn(params, mb, normalizer):
     model = nnx.merge(graphdef, params)
@@ -189,7 +177,7 @@ def make_update_fn(
       mb,
       prompt_len=spec.prompt_len,
       temperature=spec.temperature,
-      entropy=spec.entropy_coef > 0,
+      entropy=loss_cfg.entropy_coef > 0,
       gather=spec.use_topk,
     )
     extra: dict[str, Any] = {}
@@ -200,18 +188,12 @@ def make_update_fn(
         topk_ids=mb["topk_ids"],
         tokens=mb["targets"][:, spec.prompt_len - 1 :],
       )
-    if spec.kl_coef > 0:
-      extra.update(ref_logp=mb["ref_logp"], kl_coef=spec.kl_coef)
-    if spec.entropy_coef > 0:
-      extra.update(entropy=stats["entropy"], entropy_coef=spec.entropy_coef)
+    if spec.use_ref_logp:
+      extra["ref_logp"] = mb["ref_logp"]
+    if loss_cfg.entropy_coef > 0:
+      extra["entropy"] = stats["entropy"]
     return objective.policy_loss(
-      stats["logprobs"],
-      mb["logq"],
-      mb["adv"],
-      mb["mask"],
-      normalizer=normalizer,
-      **loss_kwargs,
-      **extra,
+      stats["logprobs"], mb["logq"], mb["adv"], mb["mask"], loss_cfg, normalizer=normalizer, **extra
     )
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -223,7 +205,7 @@ def make_update_fn(
     params, opt_state = carry
     # The normaliser of the whole mini-batch, so that micro-batch gradients simply add up.
     _, count = objective.aggregate_terms(
-      jnp.zeros(mb["mask"].shape), mb["mask"], aggregation, loss_kwargs.get("max_len")
+      jnp.zeros(mb["mask"].shape), mb["mask"], loss_cfg.aggregation, loss_cfg.max_len
     )
     micro = jax.tree.map(lambda x: split(x, spec.microbatches), mb)
 

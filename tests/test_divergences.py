@@ -212,16 +212,10 @@ class ReductionsOverRandomDrawsTest(chex.TestCase, parameterized.TestCase):
 
     @self.variant
     def grad(logp, logq, adv, mask, delta_low, delta_high):
-      loss = lambda lp: objective.policy_loss(  # noqa: E731
-        lp,
-        logq,
-        adv,
-        mask,
-        divergence=div,
-        estimator=est,
-        delta_low=delta_low,
-        delta_high=delta_high,
-      )[0]
+      cfg = objective.LossConfig(
+        divergence=div, estimator=est, delta_low=delta_low, delta_high=delta_high
+      )
+      loss = lambda lp: objective.policy_loss(lp, logq, adv, mask, cfg)[0]  # noqa: E731
       return jax.grad(loss)(logp)
 
     rng = np.random.default_rng(100)
@@ -278,8 +272,8 @@ class ReductionsOverRandomDrawsTest(chex.TestCase, parameterized.TestCase):
     @self.variant
     def values_and_grads(logp, logq):
       def loss(x, div, est):
-        kw = dict(divergence=div, estimator=est, delta_low=0.05)
-        return objective.policy_loss(x, logq, adv, mask, **kw)[0].astype(jnp.float32)
+        cfg = objective.LossConfig(divergence=div, estimator=est, delta_low=0.05)
+        return objective.policy_loss(x, logq, adv, mask, cfg)[0].astype(jnp.float32)
 
       return [jax.value_and_grad(loss)(logp, d, e) for d, e in cells]
 
@@ -299,9 +293,7 @@ def test_loss_finite_when_log_ratio_overflows_float32():
     lq,
     jnp.asarray([1.0]),
     jnp.ones((1, 2), bool),
-    divergence="kl",
-    estimator="atomic",
-    delta_low=0.02,
+    objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.02),
   )[0]
   val, g = jax.value_and_grad(fn)(lp)
   assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g)))

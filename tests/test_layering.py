@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "gppo_jax")
 
 LAYERS = [
-  ("errors", {"errors"}),
+  ("errors", {"errors", "registry"}),
   ("math", {"divergences", "estimators", "objective", "theory", "advantages", "presets"}),
   ("model", {"partitioning", "model", "sampler", "tokenizer", "hf_checkpoint"}),
   (

@@ -1,5 +1,7 @@
 """The GPPO loss reproduces PPO, DAPO, DPPO and RIPO exactly, aggregates exactly, fails loudly."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from gppo_jax import divergences, estimators, objective, presets
+from gppo_jax import config_lib, divergences, estimators, objective, presets
 
 B, T = 8, 24
 
@@ -49,19 +51,17 @@ class ReductionsTest(chex.TestCase):
   def test_tv_mc_is_ppo_clip(self):
     logp, logq, adv, mask = batch(0)
     ours = self.variant(
-      lambda lp: objective.policy_loss(lp, logq, adv, mask, **presets.get("ppo").loss_kwargs())[0]
+      lambda lp: objective.policy_loss(lp, logq, adv, mask, presets.get("ppo").loss)[0]
     )
     ref = lambda lp: ppo_clip_loss(lp, logq, adv, mask, 0.2, 0.2)
     np.testing.assert_allclose(grad_logp(ours, logp), grad_logp(ref, logp), rtol=1e-5, atol=1e-8)
     # Some tokens really are clipped on each side, so the test can tell the two apart.
-    _, m = objective.policy_loss(logp, logq, adv, mask, **presets.get("ppo").loss_kwargs())
+    _, m = objective.policy_loss(logp, logq, adv, mask, presets.get("ppo").loss)
     assert float(m["trust/masked_frac_high"]) > 0.02 and float(m["trust/masked_frac_low"]) > 0.02
 
   def test_asymmetric_tv_mc_is_dapo_clip_higher(self):
     logp, logq, adv, mask = batch(1)
-    ours = lambda lp: objective.policy_loss(
-      lp, logq, adv, mask, **presets.get("dapo").loss_kwargs()
-    )[0]
+    ours = lambda lp: objective.policy_loss(lp, logq, adv, mask, presets.get("dapo").loss)[0]
     ref = lambda lp: ppo_clip_loss(lp, logq, adv, mask, 0.2, 0.28)
     np.testing.assert_allclose(grad_logp(ours, logp), grad_logp(ref, logp), rtol=1e-5, atol=1e-8)
     sym = lambda lp: ppo_clip_loss(lp, logq, adv, mask, 0.2, 0.2)
@@ -70,9 +70,8 @@ class ReductionsTest(chex.TestCase):
   def test_tv_binary_is_dppo_mask(self):
     logp, logq, adv, mask = batch(2, spread=0.6)
     delta = 0.15
-    ours = lambda lp: objective.policy_loss(
-      lp, logq, adv, mask, divergence="tv", estimator="binary", delta_low=delta
-    )[0]
+    loss = objective.LossConfig(divergence="tv", estimator="binary", delta_low=delta)
+    ours = lambda lp: objective.policy_loss(lp, logq, adv, mask, loss)[0]
     p, q = jnp.exp(logp), jnp.exp(logq)
     a = adv[:, None]
     out = ((a > 0) & (p > q) & (jnp.abs(p - q) > delta)) | (
@@ -85,9 +84,7 @@ class ReductionsTest(chex.TestCase):
   def test_kl_binary_is_dppo_bernoulli_kl_mask(self):
     logp, logq, adv, mask = batch(3, spread=0.6)
     delta = 0.05
-    ours = lambda lp: objective.policy_loss(
-      lp, logq, adv, mask, **presets.get("dppo_kl").loss_kwargs()
-    )[0]
+    ours = lambda lp: objective.policy_loss(lp, logq, adv, mask, presets.get("dppo_kl").loss)[0]
     p, q = np.exp(np.asarray(logp, np.float64)), np.exp(np.asarray(logq, np.float64))
     bern_kl = q * np.log(q / p) + (1 - q) * np.log((1 - q) / (1 - p))
     a = np.asarray(adv)[:, None]
@@ -108,9 +105,7 @@ class ReductionsTest(chex.TestCase):
   def test_chi2_atomic_is_ripo_bound(self):
     logp, logq, adv, mask = batch(4, spread=0.5)
     delta = 0.05
-    ours = lambda lp: objective.policy_loss(
-      lp, logq, adv, mask, **presets.get("ripo").loss_kwargs()
-    )[0]
+    ours = lambda lp: objective.policy_loss(lp, logq, adv, mask, presets.get("ripo").loss)[0]
     q = jnp.exp(logq)
     r = jnp.exp(logp - logq)
     bound = jnp.sqrt(delta / q)
@@ -122,13 +117,14 @@ class ReductionsTest(chex.TestCase):
 
   def test_ratio_cap_and_dual_clip(self):
     logp, logq, adv, mask = batch(5, spread=1.0)
-    kw = dict(divergence="tv", estimator="mc", delta_low=10.0)  # Region so wide nothing is out.
+    wide = objective.LossConfig(divergence="tv", estimator="mc", delta_low=10.0)  # nothing is out
     r = jnp.exp(logp - logq)
     a = adv[:, None]
-    capped = lambda lp: objective.policy_loss(lp, logq, adv, mask, ratio_cap=2.0, **kw)[0]
+    capped_cfg = wide.replace(ratio_cap=2.0)
+    capped = lambda lp: objective.policy_loss(lp, logq, adv, mask, capped_cfg)[0]
     want = -np.minimum(np.asarray(r), 2.0) * np.asarray(a) * np.asarray(mask) / np.sum(mask)
     np.testing.assert_allclose(grad_logp(capped, logp), want, rtol=1e-5, atol=1e-8)
-    dual = lambda lp: objective.policy_loss(lp, logq, adv, mask, dual_clip=3.0, **kw)[0]
+    dual = lambda lp: objective.policy_loss(lp, logq, adv, mask, wide.replace(dual_clip=3.0))[0]
     stopped = np.asarray((a < 0) & (r > 3.0) & mask)
     assert stopped.sum() > 0
     g = grad_logp(dual, logp)
@@ -143,7 +139,7 @@ class ReductionsTest(chex.TestCase):
       for est in ("mc", "binary", "atomic"):
         g = grad_logp(
           lambda lp, div=div, est=est: objective.policy_loss(
-            lp, logq, adv, mask, divergence=div, estimator=est, delta_low=1e-3
+            lp, logq, adv, mask, objective.LossConfig(divergence=div, estimator=est, delta_low=1e-3)
           )[0],
           logp,
         )
@@ -163,20 +159,19 @@ class AggregationTest(parameterized.TestCase):
     logp, logq, adv, mask = batch(7)
     ref_logp = logq + 0.05
     ent = jnp.abs(logp)
-    kw = dict(
+    loss_cfg = objective.LossConfig(
       divergence="kl",
       estimator="atomic",
       delta_low=0.01,
       delta_high=0.02,
       aggregation=aggregation,
       max_len=T,
-      ref_logp=None,
       kl_coef=0.1,
       entropy_coef=0.01,
     )
 
     def full(lp):
-      return objective.policy_loss(lp, logq, adv, mask, **{**kw, "ref_logp": ref_logp}, entropy=ent)
+      return objective.policy_loss(lp, logq, adv, mask, loss_cfg, ref_logp=ref_logp, entropy=ent)
 
     loss, metrics = full(logp)
     grad = jax.grad(lambda lp: full(lp)[0])(logp)
@@ -190,8 +185,9 @@ class AggregationTest(parameterized.TestCase):
           logq[sl],
           adv[sl],
           mask[sl],
+          loss_cfg,
           normalizer=count,
-          **{**kw, "ref_logp": ref_logp[sl]},
+          ref_logp=ref_logp[sl],
           entropy=ent[sl],
         )[0]
 
@@ -204,7 +200,7 @@ class AggregationTest(parameterized.TestCase):
     logp, logq, adv, mask = batch(8)
     x = np.asarray(jnp.exp(logp - logq) * adv[:, None])
     m = np.asarray(mask)
-    kw = dict(divergence="tv", estimator="mc", delta_low=100.0)
+    wide = objective.LossConfig(divergence="tv", estimator="mc", delta_low=100.0, max_len=50)
     token_mean = -np.sum(x * m) / m.sum()
     seqs = m.sum(1) > 0
     seq_mean = -np.mean((np.sum(x * m, 1) / np.maximum(m.sum(1), 1))[seqs])
@@ -214,7 +210,7 @@ class AggregationTest(parameterized.TestCase):
       ("seq-mean-token-mean", seq_mean),
       ("seq-mean-token-sum-norm", seq_norm),
     ):
-      got = objective.policy_loss(logp, logq, adv, mask, aggregation=agg, max_len=50, **kw)[0]
+      got = objective.policy_loss(logp, logq, adv, mask, wide.replace(aggregation=agg))[0]
       np.testing.assert_allclose(float(got), want, rtol=1e-5, err_msg=agg)
 
 
@@ -222,7 +218,7 @@ class MetricsAndNumericsTest(chex.TestCase):
   def test_metrics(self):
     logp, logq, adv, mask = batch(9, spread=0.6)
     loss, m = objective.policy_loss(
-      logp, logq, adv, mask, divergence="kl", estimator="mc", delta_low=0.0231
+      logp, logq, adv, mask, objective.LossConfig(divergence="kl", estimator="mc", delta_low=0.0231)
     )
     d = np.asarray(estimators.estimate("kl", "mc", logp, logq))[np.asarray(mask)]
     np.testing.assert_allclose(float(m["div/estimate_mean"]), d.mean(), rtol=1e-5)
@@ -243,7 +239,7 @@ class MetricsAndNumericsTest(chex.TestCase):
     for div in ("tv", "kl", "hellinger", "chi2"):
       for est in ("mc", "binary", "atomic"):
         _, m = objective.policy_loss(
-          logq, logq, adv, mask, divergence=div, estimator=est, delta_low=1e-6
+          logq, logq, adv, mask, objective.LossConfig(divergence=div, estimator=est, delta_low=1e-6)
         )
         assert float(m["trust/masked_frac"]) == 0.0
 
@@ -256,7 +252,7 @@ class MetricsAndNumericsTest(chex.TestCase):
       for est in ("mc", "binary", "atomic"):
         fn = self.variant(
           lambda lp, div=div, est=est: objective.policy_loss(
-            lp, logq, adv, mask, divergence=div, estimator=est, delta_low=0.05
+            lp, logq, adv, mask, objective.LossConfig(divergence=div, estimator=est, delta_low=0.05)
           )[0]
         )
         val, g = jax.value_and_grad(lambda lp, fn=fn: fn(lp).astype(jnp.float32))(logp)
@@ -281,9 +277,7 @@ class MetricsAndNumericsTest(chex.TestCase):
       take(lq_all, tokens[..., None])[..., 0],
       adv,
       mask,
-      divergence="kl",
-      estimator="topk",
-      delta_low=0.01,
+      objective.LossConfig(divergence="kl", estimator="topk", delta_low=0.01),
       estimator_kwargs=kwargs,
     )
     assert np.isfinite(float(loss)) and float(m["div/estimate_mean"]) > 0
@@ -293,26 +287,37 @@ class ErrorsTest(parameterized.TestCase):
   def test_bad_inputs(self):
     logp, logq, adv, mask = batch(13)
     kw = dict(divergence="kl", estimator="mc", delta_low=0.02)
+    cfg = objective.LossConfig(**kw)
     with pytest.raises(ValueError, match="delta_low must be > 0"):
-      objective.policy_loss(logp, logq, adv, mask, **{**kw, "delta_low": 0.0})
+      objective.LossConfig(**{**kw, "delta_low": 0.0})
     with pytest.raises(ValueError, match="delta_high must be > 0"):
-      objective.policy_loss(logp, logq, adv, mask, delta_high=-1.0, **kw)
+      cfg.replace(delta_high=-1.0)
     with pytest.raises(ValueError, match="unknown aggregation"):
-      objective.policy_loss(logp, logq, adv, mask, aggregation="mean", **kw)
+      objective.LossConfig(aggregation="mean", **kw)
     with pytest.raises(ValueError, match=r"unknown divergence 'tvd'.*valid names: tv, kl"):
-      objective.policy_loss(logp, logq, adv, mask, **{**kw, "divergence": "tvd"})
+      objective.policy_loss(logp, logq, adv, mask, cfg.replace(divergence="tvd"))
     with pytest.raises(ValueError, match=r"unknown estimator 'mcmc'.*valid names: mc"):
-      objective.policy_loss(logp, logq, adv, mask, **{**kw, "estimator": "mcmc"})
+      objective.policy_loss(logp, logq, adv, mask, cfg.replace(estimator="mcmc"))
     with pytest.raises(ValueError, match="must all be \\[batch, tokens\\]"):
-      objective.policy_loss(logp, logq[:, :-1], adv, mask, **kw)
+      objective.policy_loss(logp, logq[:, :-1], adv, mask, cfg)
     with pytest.raises(ValueError, match="advantages must be"):
-      objective.policy_loss(logp, logq, adv[:-1], mask, **kw)
+      objective.policy_loss(logp, logq, adv[:-1], mask, cfg)
+    with pytest.raises(ValueError, match="kl_coef = 0.1 needs ref_logp"):
+      objective.policy_loss(logp, logq, adv, mask, cfg.replace(kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropy_coef = 0.1 needs entropy"):
+      objective.policy_loss(logp, logq, adv, mask, cfg.replace(entropy_coef=0.1))
+    with pytest.raises(TypeError, match="takes a LossConfig"):
+      objective.policy_loss(logp, logq, adv, mask, kw)
 
   def test_custom_divergence_by_name_in_the_loss(self):
     divergences.register("test_sq_log", lambda t: jnp.log(t) ** 2, overwrite=True)
     logp, logq, adv, mask = batch(14)
     loss, m = objective.policy_loss(
-      logp, logq, adv, mask, divergence="test_sq_log", estimator="mc", delta_low=0.04
+      logp,
+      logq,
+      adv,
+      mask,
+      objective.LossConfig(divergence="test_sq_log", estimator="mc", delta_low=0.04),
     )
     l = np.asarray(logp - logq)
     np.testing.assert_allclose(
@@ -322,14 +327,43 @@ class ErrorsTest(parameterized.TestCase):
 
 
 def test_presets_match_the_paper_anchors():
-  assert presets.get("ppo").loss_kwargs()["delta_low"] == 0.1
-  dapo = presets.get("dapo")
+  assert presets.get("ppo").loss.delta_low == 0.1
+  dapo = presets.get("dapo").loss
   assert (dapo.delta_low, dapo.delta_high) == (0.1, 0.14)
   dppo = presets.get("dppo")
-  assert (dppo.divergence, dppo.estimator, dppo.delta_low) == ("tv", "binary", 0.15)
-  assert dppo.advantage == "dr_grpo" and dppo.aggregation == "seq-mean-token-sum-norm"
-  assert presets.get("dppo_kl").delta_low == 0.05
-  ripo = presets.get("ripo")
+  assert (dppo.loss.divergence, dppo.loss.estimator, dppo.loss.delta_low) == ("tv", "binary", 0.15)
+  assert dppo.advantage == "dr_grpo" and dppo.loss.aggregation == "seq-mean-token-sum-norm"
+  assert presets.get("dppo_kl").loss.delta_low == 0.05
+  ripo = presets.get("ripo").loss
   assert (ripo.divergence, ripo.estimator, ripo.delta_low) == ("chi2", "atomic", 0.05)
   with pytest.raises(ValueError, match="valid names: ppo"):
     presets.get("trpo")
+
+
+def test_loss_config_is_one_hashable_value():
+  """A LossConfig is a static jit argument; a preset is one; a config's `loss` section has its
+  fields, written by use_settings and read back by from_config unchanged."""
+  logp, logq, adv, mask = batch(15)
+  cfg = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
+  assert cfg == objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
+  assert hash(cfg) == hash(cfg.replace()) and cfg.radii == (0.0231, 0.0231)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.delta_low = 0.1  # type: ignore[misc]
+  jitted = jax.jit(objective.policy_loss, static_argnums=4)
+  np.testing.assert_allclose(
+    jitted(logp, logq, adv, mask, cfg)[0],
+    objective.policy_loss(logp, logq, adv, mask, cfg)[0],
+    rtol=1e-6,
+  )
+  fields = {f.name for f in dataclasses.fields(objective.LossConfig)}
+  assert set(config_lib.base().loss.keys()) == fields
+  for name in presets.names():
+    p = presets.get(name)
+    c = config_lib.preset(name)
+    assert c.advantage.name == p.advantage
+    assert objective.LossConfig.from_config(c.loss) == p.loss.replace(delta_high=p.loss.radii[1])
+  c = config_lib.cell("kl", "atomic")
+  c.loss.kl_coef, c.loss.ratio_cap = 0.05, 2.0
+  got = objective.LossConfig.from_config(c.loss, response_len=17)
+  assert (got.kl_coef, got.ratio_cap, got.max_len) == (0.05, 2.0, 17)
+  assert got.delta_low == presets.default_delta("kl")

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import checkpointing, plan, policy_eval, sampler, sharding, train_step
+from gppo_jax import checkpointing, objective, plan, policy_eval, sampler, sharding, train_step
 from gppo_jax import model as model_lib
 from gppo_jax.envs import Prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
 P, R, N = 6, 5, 16
-LOSS = dict(divergence="kl", estimator="atomic", delta_low=0.02, aggregation="token-mean")
+LOSS = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.02)
 SAMPLING = sampler.SamplingParams(max_new_tokens=6, temperature=1.0, stop_ids=(2,), num_topk=2)
 
 
@@ -44,8 +44,8 @@ def setup():
     mask=resp_mask,
     adv=rng.normal(size=N).astype(np.float32),
   )
-  spec = train_step.UpdateSpec(prompt_len=P, epochs=2, minibatches=2)
-  update_fn = train_step.make_update_fn(graphdef, tx, spec, LOSS)
+  spec = train_step.UpdateSpec(prompt_len=P, loss=LOSS, epochs=2, minibatches=2)
+  update_fn = train_step.make_update_fn(graphdef, tx, spec)
   state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
   host_state = jax.device_get(state)
   key = jax.random.PRNGKey(3)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,10 @@ import pytest
 
 from gppo_jax import divergences as divs
 from gppo_jax import estimators as ests
+from gppo_jax import presets
 from gppo_jax import theory as th
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NAMES = ("tv", "kl", "hellinger", "chi2", "forward_kl", "js", "alpha:0.5")
 CELLS = [(d, e) for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary", "atomic")]
@@ -137,6 +142,45 @@ def test_default_deltas():
     assert r_lo == pytest.approx(0.8, abs=1e-6)
 
 
+def test_closed_form_default_deltas_equal_the_generators():
+  """presets.default_delta (plain Python, what configs use) = theory.default_delta (jax, float64)
+  for every built-in divergence and some of the alpha family."""
+  assert set(presets.GENERATORS) == set(th.CLI_DIVERGENCES) <= set(divs.names())
+  alphas = ("alpha:0", "alpha:0.5", "alpha:1", "alpha:2", "alpha:-1")
+  for name in (*th.CLI_DIVERGENCES, *alphas):
+    for eps in (0.01, 0.1, 0.2, 0.28, 0.5, 0.9):
+      closed, generator = presets.default_delta(name, eps), th.default_delta(name, eps)
+      assert isinstance(closed, float) and closed > 0
+      assert abs(closed - generator) <= 1e-12 * max(1.0, abs(generator)), (name, eps)
+  assert presets.default_delta("kl") == pytest.approx(0.0231, abs=1e-4)
+  with pytest.raises(ValueError, match="eps must lie in"):
+    presets.default_delta("kl", eps=0.0)
+
+
+def test_loading_every_config_starts_no_jax_backend():
+  """Config files (and the presets and default radii they use) compile and run nothing."""
+  code = """if True:
+    import glob, importlib.util, os, sys
+    from jax._src import xla_bridge
+    paths = sorted(glob.glob(os.path.join(sys.argv[1], "configs", "*.py")))
+    for path in paths:
+      spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      for arg in (None, "smoke"):
+        module.get_config(arg)
+    assert len(paths) > 10, paths
+    assert not xla_bridge._backends and not xla_bridge.backends_are_initialized()
+    print("no backend after", len(paths), "configs")
+  """
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  proc = subprocess.run(
+    [sys.executable, "-c", code, REPO], capture_output=True, text=True, cwd=REPO, env=env
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "no backend after" in proc.stdout
+
+
 def test_default_delta_and_level_sets_over_random_draws():
   # delta = f(1 - eps) puts the MC level set's lower end at exactly 1 - eps, for any eps and q
   # (docs/math.md#default-delta); TV-MC at eps / 2 is PPO's [1 - eps, 1 + eps] and chi2-atomic is
@@ -218,6 +262,7 @@ def test_user_registered_divergence_works_by_name():
   np.testing.assert_allclose(th.lower_bound(name, v), 3 * th.lower_bound("chi2", v), rtol=1e-9)
   assert th.quadratic_constant(name) == pytest.approx(12.0, rel=1e-6)
   assert th.default_delta(name) == pytest.approx(0.12, rel=1e-6)
+  assert presets.default_delta(name) == pytest.approx(0.12, rel=1e-6)  # through theory
   r_lo, r_hi = th.level_set(name, "mc", 0.12, 0.5)
   assert (r_lo, r_hi) == (pytest.approx(0.8, rel=1e-5), pytest.approx(1.2, rel=1e-5))
   assert th.tv_radius(name, 0.12) == pytest.approx(math.sqrt(0.01), rel=1e-9)

@@ -132,6 +132,8 @@ def tiny_policy_and_tokens(n: int, seed: int):
 
 
 def test_gradient_accumulation_gives_the_same_update():
+  from gppo_jax import objective
+
   n = 16
   env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=0)
   r = env.max_new_tokens
@@ -150,11 +152,13 @@ def test_gradient_accumulation_gives_the_same_update():
   outs = []
   for aggregation in ("token-mean", "seq-mean-token-mean"):
     for micro in (1, 4):
-      spec = train_step.UpdateSpec(
-        prompt_len=env.max_prompt_len, epochs=1, minibatches=2, microbatches=micro
+      loss = objective.LossConfig(
+        divergence="kl", estimator="atomic", delta_low=0.02, aggregation=aggregation
       )
-      kw = dict(divergence="kl", estimator="atomic", delta_low=0.02, aggregation=aggregation)
-      update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, kw))
+      spec = train_step.UpdateSpec(
+        prompt_len=env.max_prompt_len, loss=loss, epochs=1, minibatches=2, microbatches=micro
+      )
+      update = jax.jit(train_step.make_update_fn(graphdef, tx, spec))
       state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
       new, metrics = update(state, batch, jax.random.PRNGKey(0))
       outs.append((new.params, metrics["loss/total"]))
@@ -168,7 +172,7 @@ def test_gradient_accumulation_gives_the_same_update():
 def test_trust_region_slows_how_far_one_iteration_moves_the_policy():
   """32 steps on one on-policy batch: with KL-Atomic the policy stays nearer the behaviour
   policy; with an infinite radius (no trust region) it drifts about twice as far."""
-  from gppo_jax import estimators
+  from gppo_jax import estimators, objective
 
   n = 32
   env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=1)
@@ -177,12 +181,14 @@ def test_trust_region_slows_how_far_one_iteration_moves_the_policy():
   logprobs = train_step.make_logprob_fn(graphdef, prompt_len=env.max_prompt_len, temperature=1.0)
   logq = logprobs(params, batch)  # on-policy: the behaviour policy is the current one
   batch.update(logq=logq, mask=mask, adv=rng.normal(size=n).astype(np.float32))
-  spec = train_step.UpdateSpec(prompt_len=env.max_prompt_len, epochs=8, minibatches=4)
   tx = optax.adam(1e-3)
   drift, masked = {}, {}
   for name, delta in (("kl_atomic", 0.0231), ("none", 1e30)):
-    kw = dict(divergence="kl", estimator="atomic", delta_low=delta, delta_high=delta)
-    update = jax.jit(train_step.make_update_fn(graphdef, tx, spec, kw))
+    loss = objective.LossConfig(
+      divergence="kl", estimator="atomic", delta_low=delta, delta_high=delta
+    )
+    spec = train_step.UpdateSpec(prompt_len=env.max_prompt_len, loss=loss, epochs=8, minibatches=4)
+    update = jax.jit(train_step.make_update_fn(graphdef, tx, spec))
     state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
     new, metrics = update(state, batch, jax.random.PRNGKey(0))
     est = estimators.estimate("kl", "atomic", logprobs(new.params, batch), logq)
