@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from gppo_jax import architectures, sampler  # noqa: E402
 from gppo_jax import model as model_lib  # noqa: E402
-from gppo_jax import sampler  # noqa: E402
 
 HF_SHAPE = dict(
   vocab_size=32000,
@@ -68,7 +68,7 @@ def build_models(seed: int):
     return hf, ours, True
   except Exception as e:  # loader missing or failing: same shapes, random weights
     print(f"[warn] weights not copied ({type(e).__name__}: {e}); using random weights")
-    cfg = model_lib.ModelConfig(
+    cfg = architectures.ModelConfig(
       32000, 512, 1408, 4, 8, 2, 64, attention_bias=True, family="qwen2", pad_token_id=0
     )
     return hf, model_lib.Transformer(cfg, rngs=nnx.Rngs(seed)), False

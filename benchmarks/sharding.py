@@ -26,8 +26,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from gppo_jax import config_lib, plan, sharding  # noqa: E402
-from gppo_jax import model as model_lib  # noqa: E402
+from gppo_jax import architectures, config_lib, plan, sharding  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +44,7 @@ def main() -> None:
   a = ap.parse_args()
 
   d = a.hidden
-  cfg = model_lib.ModelConfig(
+  cfg = architectures.ModelConfig(
     vocab_size=a.vocab, hidden_size=d, intermediate_size=3 * d, num_layers=a.layers,
     num_heads=d // 64, num_kv_heads=max(1, d // 128), head_dim=64,
   )  # fmt: skip

@@ -19,7 +19,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-from gppo_jax import checkpointing, experiment, partitioning, policy_eval, sharding, train_step
+from gppo_jax import (
+  checkpointing,
+  experiment,
+  partitioning,
+  policy_eval,
+  sampler,
+  sharding,
+  train_step,
+)
 from gppo_jax.errors import UserError
 
 log = logging.getLogger("gppo_jax")
@@ -102,7 +110,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
       temperature=e.temperature,
       top_p=e.top_p,
       max_new_tokens=max_new,
-      sample_fn=sharding.MeshSampler(graphdef, param_sh),
+      sample_fn=sampler.MeshSampler(graphdef, param_sh),
     )
     num_problems = len(env.eval_prompts())
   finally:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gppo_jax import envs, sampler, sharding, train_step
+from gppo_jax import architectures, envs, sampler, sharding, train_step
 from gppo_jax import model as model_lib
 from gppo_jax.errors import MissingFileError, UserError
 
@@ -164,7 +164,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   env = envs.make_env(config)
   tok = env.tokenizer
   # The built-in policy's vocabulary is exactly the task's characters.
-  cfg = model_lib.get_preset(
+  cfg = architectures.get(
     config.model.preset,
     vocab_size=tok.vocab_size,
     bos_token_id=tok.bos_id,
@@ -178,7 +178,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   init_seed = config.seed if init_seed is None else int(init_seed)
   model = model_lib.create(cfg, init_seed)
   graphdef, params = nnx.split(model)
-  say(f"policy: preset {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
+  say(f"policy: architecture {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}
   if config.warmstart.enabled and warm_start:
     from gppo_jax import warmstart

@@ -3,7 +3,8 @@
 Reads a local folder as transformers writes it (config.json, model.safetensors or shards with
 model.safetensors.index.json, tokenizer files) and writes a trained policy back in the same
 layout, so transformers and vLLM load it unchanged. Weights stream tensor by tensor through
-numpy; with a mesh each parameter goes straight to its sharded layout.
+numpy; with a mesh each parameter goes straight to its sharded layout. The weight mapping is
+here; the config.json <-> ModelConfig mapping is in `architectures.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gppo_jax import errors, partitioning
-from gppo_jax.model import ModelConfig, Transformer, config_from_hf, config_to_hf
+from gppo_jax.architectures import ModelConfig, config_from_hf, config_to_hf
+from gppo_jax.model import Transformer
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

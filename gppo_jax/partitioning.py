@@ -5,7 +5,9 @@ Parameters in model.py carry logical axis names ("embed", "vocab", "mlp", "heads
 name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config change only.
 A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
 earlier dimension of the same array is dropped (that dimension is then replicated over it), so
-tiny test models and odd head counts never fail to shard.
+tiny test models and odd head counts never fail to shard. Batches are not named by rules: their
+leading axis is split over `BATCH_AXES` (data x fsdp); `batch_spec` is that PartitionSpec and
+`constrain_batch` pins activations to it inside a jit.
 
 Meshes must use `jax.sharding.AxisType.Auto` axes: the model pins no activation shardings and
 lets XLA propagate them from the parameters and the batch.
@@ -28,7 +30,6 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # FSDP over the embedding dimension, tensor parallelism over heads / mlp / vocab.
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
-  ("batch", ("data", "fsdp")),
   ("vocab", "tensor"),
   ("embed", "fsdp"),
   ("mlp", "tensor"),
@@ -36,8 +37,10 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("kv_heads", "tensor"),
   ("head_dim", None),
   ("layers", None),
-  ("seq", None),
 )
+# Batches (rollouts, mini-batches, prompts and every batch-major activation) split their leading
+# axis over these mesh axes; `batch_spec` is the one place that turns this into a PartitionSpec.
+BATCH_AXES = ("data", "fsdp")
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -89,16 +92,6 @@ def _is_var(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def logical_axes(state: Any) -> Any:
-  """The state's pytree with each Variable's value replaced by its logical axis names."""
-
-  def names(v):
-    axes = v.get_metadata().get("out_sharding") or (None,) * np.ndim(v.get_value())
-    return v.replace(tuple(axes))
-
-  return jax.tree.map(names, state, is_leaf=_is_var)
-
-
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
   """NamedSharding pytree matching `state` (a model state from nnx.split / nnx.state).
 
@@ -136,33 +129,28 @@ def create_sharded(make_model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.
   return nnx.merge(graphdef, state)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-  """Sharding for a [batch, ...] input array: batch over the "batch" rule's mesh axes."""
-  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh=mesh)
-  return NamedSharding(mesh, spec)
-
-
-BATCH_AXES = ("data", "fsdp")
+def batch_spec(shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh) -> PartitionSpec:
+  """PartitionSpec of a [batch, ...] array: the leading axis over BATCH_AXES, dropping the mesh
+  axes that are absent or do not divide it; a scalar is replicated. Works on abstract meshes."""
+  if not len(shape):
+    return PartitionSpec()
+  logical = ("batch",) + (None,) * (len(shape) - 1)
+  return logical_to_spec(logical, (("batch", BATCH_AXES),), shape=shape, mesh=mesh)
 
 
 def constrain_batch(tree: Any) -> Any:
   """Pins batch-major activations (leading axis) to data x fsdp on the ambient mesh.
 
   A no-op without an ambient mesh (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`), so model
-  and training code call it unconditionally; the sharded jits of `gppo_jax.sharding` set the mesh.
-  Without it XLA lets FSDP-sharded weights pull activations off the batch split, and every device
-  computes the whole mini-batch.
+  and training code call it unconditionally; the sharded jits of `gppo_jax.sharding` and
+  `gppo_jax.sampler` set the mesh. Without it XLA lets FSDP-sharded weights pull activations off
+  the batch split, and every device computes the whole mini-batch.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
     return tree
 
   def pin(x):
-    if not x.ndim:
-      return x
-    spec = logical_to_spec(
-      ("batch",) + (None,) * (x.ndim - 1), (("batch", BATCH_AXES),), shape=x.shape, mesh=mesh
-    )
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, batch_spec(x.shape, mesh)) if x.ndim else x
 
   return jax.tree.map(pin, tree)

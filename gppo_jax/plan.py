@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gppo_jax import cli, config_lib, errors, sharding, train_step
+from gppo_jax import architectures, cli, config_lib, errors, sharding, train_step
 from gppo_jax import model as model_lib
 
 log = logging.getLogger(__name__)
@@ -83,15 +83,17 @@ class MemoryPlan:
 # --- Shapes from a config ----------------------------------------------------------------------
 
 
-def model_config(config) -> tuple[model_lib.ModelConfig, str]:
-  """(ModelConfig, where from): model.path's config.json if the folder exists, else the preset."""
+def model_config(config) -> tuple[architectures.ModelConfig, str]:
+  """(ModelConfig, where from): model.path's config.json if the folder exists, else the named
+  architecture `model.preset`."""
   overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
   path = config.model.get("path")
   if path and os.path.isfile(os.path.join(path, "config.json")):
     from gppo_jax import hf_checkpoint
 
     return hf_checkpoint.model_config(path, **overrides), f"{path}/config.json"
-  return model_lib.get_preset(config.model.preset, **overrides), f"preset {config.model.preset!r}"
+  name = config.model.preset
+  return architectures.get(name, **overrides), f"architecture {name!r}"
 
 
 def rollout_shape(config) -> tuple[int, int, int]:
@@ -107,7 +109,7 @@ def rollout_shape(config) -> tuple[int, int, int]:
   return n, p, r.max_new_tokens
 
 
-def update_setup(config, model_cfg: model_lib.ModelConfig, prompt_len: int, resp_len: int):
+def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, resp_len: int):
   """(update_fn, abstract TrainState, UpdateSpec) exactly as the trainer builds them."""
   graphdef = model_lib.abstract_graphdef(model_cfg)
   abstract_params = nnx.state(
@@ -151,7 +153,7 @@ def per_device_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
-def kv_cache_bytes(cfg: model_lib.ModelConfig, mesh, batch: int, length: int) -> int:
+def kv_cache_bytes(cfg: architectures.ModelConfig, mesh, batch: int, length: int) -> int:
   """Per-device bytes of the sampler's KV cache, batch over data x fsdp, kv heads over tensor."""
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   rows = -(-batch // dp) if batch % dp == 0 else batch
@@ -163,7 +165,7 @@ def kv_cache_bytes(cfg: model_lib.ModelConfig, mesh, batch: int, length: int) ->
 
 
 def analytic_activation_bytes(
-  cfg: model_lib.ModelConfig, mesh, spec, n: int, seq: int, num_params: int
+  cfg: architectures.ModelConfig, mesh, spec, n: int, seq: int, num_params: int
 ) -> int:
   """Closed-form estimate of the update's temporaries per device (remat-aware, chunked head).
 

@@ -1,4 +1,4 @@
-"""Sampling responses for prompts and scoring a policy on them: greedy accuracy, avg@k, pass@k.
+"""Scoring a policy on an environment's prompts: greedy accuracy, avg@k, pass@k.
 
 Pure functions of (graphdef, params, env): used by the trainer's periodic evaluation, the
 supervised warm start and the `python -m gppo_jax.evaluate` command line (gppo_jax/evaluate.py).
@@ -6,7 +6,7 @@ supervised warm start and the `python -m gppo_jax.evaluate` command line (gppo_j
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -26,45 +26,6 @@ def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: 
   return out
 
 
-def sample_prompts(
-  graphdef: nnx.GraphDef,
-  params,
-  prompts: Sequence[Prompt],
-  sampling: sampler.SamplingParams,
-  key: jax.Array,
-  *,
-  prompt_len: int,
-  pad_id: int,
-  batch_size: int | None = None,
-  sample_fn: Callable | None = None,
-) -> tuple[np.ndarray, np.ndarray, sampler.SampleOutput]:
-  """Samples one response per prompt; returns (prompt_tokens, prompt_mask, output) as numpy.
-
-  Prompts are left-padded to `prompt_len` and, with `batch_size`, processed in equal batches (the
-  last one padded by repetition) so one compiled sampler serves every call. `sample_fn` (a
-  `sharding.MeshSampler`) samples on a device mesh, one host or many, with the batch size rounded
-  up to a multiple of its batch shards; without it, the sampler runs on the default device.
-  """
-  tokens, mask = sampler.left_pad([p.token_ids for p in prompts], pad_id=pad_id, length=prompt_len)
-  n = len(prompts)
-  bs = batch_size or n
-  if sample_fn is not None:
-    bs = -(-bs // sample_fn.batch_multiple) * sample_fn.batch_multiple
-  outs = []
-  for start in range(0, n, bs):
-    idx = np.arange(start, start + bs) % n
-    sub_key = jax.random.fold_in(key, start)
-    if sample_fn is None:
-      out = sampler.sample_jit(graphdef, params, tokens[idx], mask[idx], sub_key, sampling)
-    else:
-      out = sample_fn(params, tokens[idx], mask[idx], sub_key, sampling)
-    out = jax.tree.map(np.asarray, out)
-    take = min(bs, n - start)
-    outs.append(jax.tree.map(lambda x, take=take: x[:take], out))
-  merged = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
-  return tokens, mask, merged
-
-
 def evaluate_policy(
   graphdef: nnx.GraphDef,
   params,
@@ -77,10 +38,10 @@ def evaluate_policy(
   batch_size: int = 256,
   max_new_tokens: int | None = None,
   prompts: Sequence[Prompt] | None = None,
-  sample_fn: Callable | None = None,
+  sample_fn: sampler.MeshSampler | None = None,
 ) -> dict[str, float]:
   """Greedy accuracy plus avg@k and unbiased pass@k (k samples at `temperature`) on env's eval set
-  (or on `prompts`). `sample_fn`: a `sharding.MeshSampler` to sample on a mesh (multi-host safe:
+  (or on `prompts`). `sample_fn`: a `sampler.MeshSampler` to sample on a mesh (multi-host safe:
   every process gets the same metrics)."""
   prompts = env.eval_prompts() if prompts is None else prompts
   if not prompts:
@@ -96,7 +57,8 @@ def evaluate_policy(
     sample_fn=sample_fn,
   )
   greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
-  _, _, out = sample_prompts(graphdef, params, prompts, greedy, key, **common)
+  ids = [p.token_ids for p in prompts]
+  out = sampler.sample_prompts(graphdef, params, ids, greedy, key, **common)
   rewards, valid, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), prompts)
   benches = [getattr(p, "benchmark", "") for p in prompts]
   groups = {"": np.ones(len(prompts), bool)}  # "" = all prompts; then one group per benchmark
@@ -116,8 +78,9 @@ def evaluate_policy(
     )
     rep = [p for p in prompts for _ in range(k)]
     common["batch_size"] = min(batch_size, len(rep))
-    _, _, out = sample_prompts(
-      graphdef, params, rep, sampling, jax.random.fold_in(key, 1), **common
+    rep_ids = [p.token_ids for p in rep]
+    out = sampler.sample_prompts(
+      graphdef, params, rep_ids, sampling, jax.random.fold_in(key, 1), **common
     )
     r, _, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), rep)
     correct = r.reshape(len(prompts), k) > 0.5

@@ -1,10 +1,19 @@
 """KV-cached autoregressive sampler: one jitted prefill plus a `lax.while_loop` decode.
 
+Every way of drawing responses lives here:
+
+  sample(graphdef, params, tokens, mask, rng, sampling)    # pure: call it inside your own jit
+  sample_jit(...)                                          # the same, compiled, default device
+  generate(model, tokens, mask, rng, max_new_tokens=...)   # convenience on a module
+  MeshSampler(graphdef, param_shardings)(params, ...)      # on a device mesh, host numpy in/out
+  jit_sampler(graphdef, sampling, param_shardings, n)      # the sharded jit MeshSampler compiles
+  sample_prompts(graphdef, params, token_ids, ...)         # a prompt list in fixed-size batches
+
 Behaviour log-probs. By default (`logprobs_mode="tempered"`) the sampler returns, for every
 generated token, log softmax(logits / T)[token]: exactly what the trainer recomputes with
-`model.token_logprobs(..., temperature=T)`, so the importance ratio pi_theta / mu is 1 at the start
-of an update (a mismatch here silently biases RL). With top-k / top-p the tokens are actually drawn
-from the *truncated* renormalised distribution, which differs from softmax(logits / T); pass
+`model.chunked_logprobs(..., temperature=T)`, so the importance ratio pi_theta / mu is 1 at the
+start of an update (a mismatch here silently biases RL). With top-k / top-p the tokens are actually
+drawn from the *truncated* renormalised distribution, which differs from softmax(logits / T); pass
 `logprobs_mode="truncated"` to get log-probs (and top-K) under the distribution really sampled from.
 Greedy decoding ignores T; its log-probs (and top-K) are under softmax(logits), i.e. T = 1.
 
@@ -15,15 +24,19 @@ max(cumsum(mask) - 1, 0), and the response is right-padded with `pad_id` after t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from gppo_jax import model as model_lib
+from gppo_jax import partitioning, sharding
 
 LOGPROBS_MODES = ("tempered", "truncated")
 
@@ -306,7 +319,17 @@ def sample(
   )
 
 
-sample_jit = jax.jit(sample, static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def sample_jit(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  rng: jax.Array,
+  sampling: SamplingParams,
+) -> SampleOutput:
+  """`sample` compiled for the default device: one compile per (graphdef, sampling, shapes)."""
+  return sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
 
 
 def generate(
@@ -352,3 +375,109 @@ def generate(
   )
   graphdef, params = nnx.split(model)
   return sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+
+
+class MeshSampler:
+  """Samples on the mesh from host prompts: what the rollouts and the periodic eval call.
+
+  Every process passes the same full prompt arrays (left-padded numpy); each feeds its own rows,
+  the sampler runs sharded over data x fsdp, and every process gets the full outputs back as numpy.
+  One compiled sampler (and this process's row slice) is kept per (sampling params, batch size).
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any):
+    self.graphdef = graphdef
+    self.param_shardings = param_shardings
+    self.mesh = jax.tree.leaves(param_shardings)[0].mesh
+    self.batch_multiple = sharding.batch_shards(self.mesh)
+    self._compiled: dict[tuple[SamplingParams, int], tuple[Callable, slice]] = {}
+
+  def __call__(
+    self,
+    params: Any,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    rng: jax.Array,
+    sampling: SamplingParams,
+  ) -> SampleOutput:
+    n = int(np.shape(prompt_tokens)[0])
+    if n % self.batch_multiple and jax.process_count() > 1:
+      raise ValueError(
+        f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
+        f"{dict(self.mesh.shape)}; use a multiple"
+      )
+    if (sampling, n) not in self._compiled:
+      fn = jit_sampler(self.graphdef, sampling, self.param_shardings, n)
+      self._compiled[(sampling, n)] = fn, sharding.process_rows(n, self.mesh)
+    fn, rows = self._compiled[(sampling, n)]
+    dev = sharding.shard_batch(
+      {"t": np.asarray(prompt_tokens)[rows], "m": np.asarray(prompt_mask)[rows]}, self.mesh
+    )
+    return sharding.to_host(fn(params, dev["t"], dev["m"], rng))
+
+
+def jit_sampler(
+  graphdef: nnx.GraphDef,
+  sampling: SamplingParams,
+  param_shardings: Any,
+  batch_size: int,
+) -> Callable:
+  """jit(params, prompt_tokens, prompt_mask, rng) -> SampleOutput with every array split over
+  data x fsdp along the batch axis (the KV cache follows). Nothing is donated: the parameters are
+  reused by the update, and no output has an input's shape."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  rows = NamedSharding(mesh, partitioning.batch_spec((batch_size,), mesh))  # a prefix: any rank
+  rep = sharding.replicated(mesh)
+  k = sampling.num_topk
+  out = SampleOutput(
+    tokens=rows,
+    logprobs=rows,
+    mask=rows,
+    lengths=rows,
+    topk_logprobs=rows if k else None,
+    topk_ids=rows if k else None,
+  )
+
+  def sample_on_mesh(params, prompt_tokens, prompt_mask, rng):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+
+  return jax.jit(sample_on_mesh, in_shardings=(param_shardings, rows, rows, rep), out_shardings=out)
+
+
+def sample_prompts(
+  graphdef: nnx.GraphDef,
+  params: Any,
+  prompts: Sequence[Sequence[int]],
+  sampling: SamplingParams,
+  key: jax.Array,
+  *,
+  prompt_len: int,
+  pad_id: int,
+  batch_size: int | None = None,
+  sample_fn: MeshSampler | None = None,
+) -> SampleOutput:
+  """One response per prompt (token-id lists), as numpy arrays in prompt order.
+
+  Prompts are left-padded to `prompt_len` and, with `batch_size`, sampled in equal batches (the
+  last one padded by repetition) so one compiled sampler serves every call; batch b draws with
+  fold_in(key, first row of b). With `sample_fn` (a `MeshSampler`) the batches run on its mesh,
+  one host or many, the batch size rounded up to a multiple of its batch shards; without it, on
+  the default device through `sample_jit`.
+  """
+  tokens, mask = left_pad(prompts, pad_id=pad_id, length=prompt_len)
+  n = len(prompts)
+  bs = batch_size or n
+  if sample_fn is not None:
+    bs = -(-bs // sample_fn.batch_multiple) * sample_fn.batch_multiple
+  outs = []
+  for start in range(0, n, bs):
+    idx = np.arange(start, start + bs) % n
+    sub_key = jax.random.fold_in(key, start)
+    if sample_fn is None:
+      out = sample_jit(graphdef, params, tokens[idx], mask[idx], sub_key, sampling)
+    else:
+      out = sample_fn(params, tokens[idx], mask[idx], sub_key, sampling)
+    take = min(bs, n - start)
+    outs.append(jax.tree.map(lambda x, take=take: np.asarray(x)[:take], out))
+  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)

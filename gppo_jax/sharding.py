@@ -1,4 +1,4 @@
-"""Scale-out set-up: the device mesh, state and batch shardings, sharded jits, multi-host input.
+"""Scale-out set-up: the device mesh, state and batch shardings, the sharded update, host input.
 
 The shell calls these in order:
 
@@ -10,9 +10,10 @@ The shell calls these in order:
   state, metrics = update(state, shard_batch(batch_np, mesh), rng)
 
 Parameters are placed by the logical-axis rules of `partitioning.py`; batches are split on their
-leading axis over `data` x `fsdp` (the "batch" rule). Meshes use Auto axes: XLA propagates the
-activation shardings from parameters and batch, and `constrain_batch` pins a batch-major activation
-where propagation alone would replicate it (e.g. after the minibatch shuffle, a gather).
+leading axis over `partitioning.BATCH_AXES` (data x fsdp). Meshes use Auto axes: XLA propagates the
+activation shardings from parameters and batch, and `partitioning.constrain_batch` pins a
+batch-major activation where propagation alone would replicate it (e.g. after the minibatch
+shuffle, a gather). Sampling on the mesh is `sampler.MeshSampler`, built on the helpers here.
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gppo_jax import partitioning, sampler
+from gppo_jax import partitioning
 
 log = logging.getLogger(__name__)
 
 MESH_AXES = partitioning.MESH_AXES  # ("data", "fsdp", "tensor")
-BATCH_AXES = partitioning.BATCH_AXES
-constrain_batch = partitioning.constrain_batch  # re-exported: lives with the model side
 # Set to 1/true by the launch scripts on multi-host slices (see launch/README.md).
 DISTRIBUTED_ENV = "GPPO_DISTRIBUTED"
 _DISTRIBUTED_VARS = (
@@ -119,11 +117,6 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
   return True
 
 
-def is_main_process() -> bool:
-  """True on the process that writes logs, summaries and exports (process 0)."""
-  return jax.process_index() == 0
-
-
 # --- Shardings ---------------------------------------------------------------------------------
 
 
@@ -152,23 +145,12 @@ def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = N
   return state.replace(params=params, opt_state=opt, step=rep)
 
 
-def _batch_spec(shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-  if not shape:
-    return PartitionSpec()
-  spec = partitioning.logical_to_spec(
-    ("batch",) + (None,) * (len(shape) - 1), _batch_rules(), shape=shape, mesh=mesh
-  )
-  return spec
-
-
-def _batch_rules() -> partitioning.Rules:
-  return (("batch", BATCH_AXES),)
-
-
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:
   """NamedSharding pytree for a batch: leading axis over data x fsdp (axes that do not divide it
   are dropped), scalars replicated. `batch` may hold arrays or ShapeDtypeStructs."""
-  return jax.tree.map(lambda x: NamedSharding(mesh, _batch_spec(np.shape(x), mesh)), batch)
+  return jax.tree.map(
+    lambda x: NamedSharding(mesh, partitioning.batch_spec(np.shape(x), mesh)), batch
+  )
 
 
 def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
@@ -183,7 +165,7 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
   def put(x):
     x = np.asarray(x)
     global_shape = (x.shape[0] * n, *x.shape[1:]) if x.ndim else ()
-    sharding = NamedSharding(mesh, _batch_spec(global_shape, mesh))
+    sharding = NamedSharding(mesh, partitioning.batch_spec(global_shape, mesh))
     return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
   return jax.tree.map(put, batch_np)
@@ -192,7 +174,7 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
 def process_rows(num_rows: int, mesh: Mesh) -> slice:
   """The rows of a global batch of `num_rows` that this process's devices hold under the batch
   sharding: what this process passes to `shard_batch` when every process has the whole batch."""
-  sharding = NamedSharding(mesh, _batch_spec((num_rows,), mesh))
+  sharding = NamedSharding(mesh, partitioning.batch_spec((num_rows,), mesh))
   index = sharding.addressable_devices_indices_map((num_rows,)).values()
   starts = sorted({sl[0].indices(num_rows)[:2] for sl in index})
   lo, hi = starts[0][0], starts[-1][1]
@@ -250,78 +232,10 @@ def jit_logprobs(logprob_fn: Callable, param_shardings: Any, batch_shardings: An
   `.__wrapped__` works too)."""
   mesh = jax.tree.leaves(param_shardings)[0].mesh
   fn = getattr(logprob_fn, "__wrapped__", logprob_fn)
-  out = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+  out = NamedSharding(mesh, PartitionSpec(partitioning.BATCH_AXES))
   return jax.jit(fn, in_shardings=(param_shardings, batch_shardings), out_shardings=out)
 
 
 def batch_shards(mesh: Mesh) -> int:
   """How many ways a batch is split (data x fsdp sizes): batch sizes should be multiples."""
-  return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
-class MeshSampler:
-  """Samples on the mesh from host prompts: what the rollouts and the periodic eval call.
-
-  Every process passes the same full prompt arrays (left-padded numpy); each feeds its own rows,
-  the sampler runs sharded over data x fsdp, and every process gets the full outputs back as numpy.
-  One compiled sampler (and this process's row slice) is kept per (sampling params, batch size).
-  """
-
-  def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any):
-    self.graphdef = graphdef
-    self.param_shardings = param_shardings
-    self.mesh = jax.tree.leaves(param_shardings)[0].mesh
-    self.batch_multiple = batch_shards(self.mesh)
-    self._compiled: dict[tuple[sampler.SamplingParams, int], tuple[Callable, slice]] = {}
-
-  def __call__(
-    self,
-    params: Any,
-    prompt_tokens: np.ndarray,
-    prompt_mask: np.ndarray,
-    rng: jax.Array,
-    sampling: sampler.SamplingParams,
-  ) -> sampler.SampleOutput:
-    n = int(np.shape(prompt_tokens)[0])
-    if n % self.batch_multiple and jax.process_count() > 1:
-      raise ValueError(
-        f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
-        f"{dict(self.mesh.shape)}; use a multiple"
-      )
-    if (sampling, n) not in self._compiled:
-      fn = jit_sampler(self.graphdef, sampling, self.param_shardings, n)
-      self._compiled[(sampling, n)] = fn, process_rows(n, self.mesh)
-    fn, rows = self._compiled[(sampling, n)]
-    dev = shard_batch(
-      {"t": np.asarray(prompt_tokens)[rows], "m": np.asarray(prompt_mask)[rows]}, self.mesh
-    )
-    return to_host(fn(params, dev["t"], dev["m"], rng))
-
-
-def jit_sampler(
-  graphdef: nnx.GraphDef,
-  sampling: sampler.SamplingParams,
-  param_shardings: Any,
-  batch_size: int,
-) -> Callable:
-  """jit(params, prompt_tokens, prompt_mask, rng) -> SampleOutput with every array split over
-  data x fsdp along the batch axis (the KV cache follows). Nothing is donated: the parameters are
-  reused by the update, and no output has an input's shape."""
-  mesh = jax.tree.leaves(param_shardings)[0].mesh
-  rows = NamedSharding(mesh, _batch_spec((batch_size,), mesh))  # a prefix: any rank
-  rep = replicated(mesh)
-  k = sampling.num_topk
-  out = sampler.SampleOutput(
-    tokens=rows,
-    logprobs=rows,
-    mask=rows,
-    lengths=rows,
-    topk_logprobs=rows if k else None,
-    topk_ids=rows if k else None,
-  )
-
-  def sample(params, prompt_tokens, prompt_mask, rng):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return sampler.sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
-
-  return jax.jit(sample, in_shardings=(param_shardings, rows, rows, rep), out_shardings=out)
+  return math.prod(mesh.shape[a] for a in partitioning.BATCH_AXES)

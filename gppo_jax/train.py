@@ -205,7 +205,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   # A copy: the update donates the state's buffers.
   ref_params = jax.tree.map(jnp.copy, state.params) if config.loss.kl_coef > 0 else None
   r = config.rollout
-  mesh_sampler = sharding.MeshSampler(graphdef, state_sh.params)  # rollouts and evals
+  mesh_sampler = sampler.MeshSampler(graphdef, state_sh.params)  # rollouts and evals
   rows = sharding.process_rows(r.prompts_per_iter * r.group_size, mesh)  # this host's rows
 
   def to_devices(batch):

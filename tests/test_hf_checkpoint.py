@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gppo_jax import errors, hf_checkpoint, model, tokenizer
+from gppo_jax import architectures, errors, hf_checkpoint, model, tokenizer
 
 torch.manual_seed(0)
 
@@ -245,7 +245,7 @@ def test_config_from_hf_reads_both_rope_layouts():
   }
   old = {**new, "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "type": "llama3"}}
   del old["rope_parameters"]
-  a, b = model.config_from_hf(new), model.config_from_hf(old)
+  a, b = architectures.config_from_hf(new), architectures.config_from_hf(old)
   assert a == b and a.rope_theta == 500000.0 and a.rope_params["factor"] == 8.0
   assert a.family == "llama" and not a.attention_bias and a.eos_token_ids == (2,)
 

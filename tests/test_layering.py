@@ -13,7 +13,10 @@ PACKAGE = os.path.join(REPO, "gppo_jax")
 LAYERS = [
   ("errors", {"errors", "registry"}),
   ("math", {"divergences", "estimators", "objective", "theory", "advantages", "presets"}),
-  ("model", {"partitioning", "model", "sampler", "tokenizer", "hf_checkpoint"}),
+  (
+    "model",
+    {"architectures", "model", "partitioning", "sharding", "sampler", "tokenizer", "hf_checkpoint"},
+  ),
   (
     "rewards and data",
     {"tasks", "math_reward", "sandbox", "code_reward", "data", "pass_at_k"},
@@ -23,7 +26,6 @@ LAYERS = [
     {
       "envs",
       "train_step",
-      "sharding",
       "policy_eval",
       "warmstart",
       "checkpointing",

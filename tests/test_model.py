@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import model, partitioning
+from gppo_jax import architectures, errors, model, partitioning
 
-CFG = model.get_preset("tiny", attention_bias=True, qk_norm=True, family="qwen3")
+CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -97,28 +97,6 @@ def test_chunked_head_gradients_equal_naive(tied):
   chex.assert_trees_all_close(grad(chunked), grad(naive), atol=1e-5, rtol=1e-5)
 
 
-def test_token_logprob_wrappers_equal_naive(policy):
-  tokens, mask, positions, targets = _batch()
-  ids = jnp.stack([targets, jnp.zeros_like(targets)], -1)
-  kw = dict(temperature=1.3, chunk_size=4)
-
-  @nnx.jit
-  def wrappers(m):
-    lp, ent = model.token_logprobs_and_entropy(m, tokens, positions, mask, targets, **kw)
-    return (
-      model.token_logprobs(m, tokens, positions, mask, targets, **kw),
-      model.gather_logprobs(m, tokens, positions, mask, ids, **kw),
-      lp,
-      ent,
-      _naive(m, m(tokens, positions, attn_mask=mask)[0], targets, 1.3),
-    )
-
-  lp, gathered, lp2, ent, (logp, want) = wrappers(policy)
-  for got in (lp, gathered[..., 0], lp2):
-    chex.assert_trees_all_close(got, want, atol=1e-5)
-  chex.assert_trees_all_close(ent, -jnp.sum(jnp.exp(logp) * logp, -1), atol=1e-5)
-
-
 def test_left_padding_and_causality(policy):
   tokens, mask, positions, _ = _batch()
   hidden = np.asarray(_hidden(policy, tokens, mask, positions))
@@ -170,9 +148,11 @@ def test_bfloat16_compute_is_finite_and_close(policy):
   bf = nnx.merge(
     model.abstract_graphdef(dataclasses.replace(CFG, dtype="bfloat16")), nnx.state(policy)
   )
-  both = nnx.jit(
-    lambda m, bf: [model.token_logprobs(x, tokens, positions, mask, targets) for x in (m, bf)]
-  )
+
+  def logprobs(m):
+    return model.chunked_logprobs(m, m(tokens, positions, attn_mask=mask)[0], targets)["logprobs"]
+
+  both = nnx.jit(lambda m, bf: [logprobs(x) for x in (m, bf)])
   lp, lp_bf = both(policy, bf)
   assert lp_bf.dtype == jnp.float32 and np.isfinite(np.asarray(lp_bf)).all()
   assert float(jnp.abs(lp_bf - lp)[mask].max()) < 0.1
@@ -186,21 +166,21 @@ def _abstract_count(cfg):
   "name, billions",
   [("qwen2.5-0.5b", 0.494), ("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("llama3.1-8b", 8.03)],
 )
-def test_presets_have_published_parameter_counts(name, billions):
-  assert abs(_abstract_count(model.get_preset(name)) / 1e9 - billions) < 0.01
+def test_architectures_have_published_parameter_counts(name, billions):
+  assert abs(_abstract_count(architectures.get(name)) / 1e9 - billions) < 0.01
 
 
-def test_char_presets_are_small_and_bad_names_list_choices():
+def test_char_architectures_are_small_and_bad_names_list_choices():
   for name in ("char-tiny", "char-small"):
-    n = _abstract_count(model.get_preset(name))
-    assert 1e5 <= n <= 1e6 and model.get_preset(name).vocab_size == 64
-  with pytest.raises(ValueError, match="qwen3-8b"):
-    model.get_preset("qwen9")
+    n = _abstract_count(architectures.get(name))
+    assert 1e5 <= n <= 1e6 and architectures.get(name).vocab_size == 64
+  with pytest.raises(errors.UnknownNameError, match="unknown model architecture 'qwen9'.*qwen3-8b"):
+    architectures.get("qwen9")
   with pytest.raises(ValueError, match="num_kv_heads"):
-    model.get_preset("tiny", num_kv_heads=3)
+    architectures.get("tiny", num_kv_heads=3)
   with pytest.raises(ValueError, match="rope_scaling type"):
-    model.get_preset("tiny", rope_scaling=(("rope_type", "yarn"),))
-  assert hash(model.get_preset("llama3.1-8b"))  # usable as a static jit argument
+    architectures.get("tiny", rope_scaling=(("rope_type", "yarn"),))
+  assert hash(architectures.get("llama3.1-8b"))  # usable as a static jit argument
 
 
 def test_sharding_rules_place_parameters_and_keep_outputs(policy):
@@ -230,13 +210,14 @@ def test_sharding_rules_place_parameters_and_keep_outputs(policy):
   want = _hidden(policy, tokens, mask, positions)
   placed = partitioning.shard_model(nnx.clone(policy), mesh)
   assert placed.layers.wo[...].sharding.spec == jax.P(None, "tensor", None, "fsdp")
-  batch = partitioning.batch_sharding(mesh, 2)
+  batch = jax.NamedSharding(mesh, partitioning.batch_spec(tokens.shape, mesh))
+  assert batch.spec == jax.P(("data", "fsdp"), None)
   got = _hidden(placed, *(jax.device_put(x, batch) for x in (tokens, mask, positions)))
   chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
 def test_remat_keeps_gradients_and_saves_memory():
-  base = model.get_preset("tiny", intermediate_size=64)
+  base = architectures.get("tiny", intermediate_size=64)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(3)
   state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
@@ -254,4 +235,4 @@ def test_remat_keeps_gradients_and_saves_memory():
   chex.assert_trees_all_close(results["full"][0], results["none"][0], atol=1e-3, rtol=1e-3)
   assert results["full"][1] < results["none"][1]
   with pytest.raises(ValueError, match="remat"):
-    model.get_preset("tiny", remat="some")
+    architectures.get("tiny", remat="some")

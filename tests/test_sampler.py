@@ -1,4 +1,4 @@
-"""Tests for the KV-cached sampler on the tiny preset.
+"""Tests for the KV-cached sampler on the tiny architecture.
 
 All tests share one model, one prompt batch and one max_new_tokens, so each distinct SamplingParams
 compiles once (module-scoped fixtures cache the outputs).
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gppo_jax import architectures, sampler
 from gppo_jax import model as model_lib
-from gppo_jax import sampler
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17]]  # left-padded to P = 8
 N = 12
@@ -20,7 +20,7 @@ TEMPERATURE = 0.7
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = model_lib.get_preset("tiny")
+  cfg = architectures.get("tiny")
   return model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -61,11 +61,26 @@ def _full_logits(model, tokens, mask):
 
 @nnx.jit
 def _trainer_logprobs(model, tokens, mask, temperature):
-  """The trainer's log-probs of tokens[:, 1:] given the prefix, as model.token_logprobs computes."""
+  """The trainer's log-probs of tokens[:, 1:] given the prefix: a forward pass, then the chunked
+  head `model.chunked_logprobs`, as train_step does."""
   positions = model_lib.positions_from_mask(mask)
-  return model_lib.token_logprobs(
-    model, tokens[:, :-1], positions[:, :-1], mask[:, :-1], tokens[:, 1:], temperature=temperature
-  )
+  hidden, _ = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1])
+  lp = model_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)
+  return lp["logprobs"]
+
+
+def count_traces(monkeypatch) -> list:
+  """Records every trace of `sampler.sample`: the compiled samplers (`sample_jit` and the sharded
+  `jit_sampler`) call it by name while tracing, and never while a compiled version fits."""
+  traces = []
+  real = sampler.sample
+
+  def counted(*args, **kwargs):
+    traces.append(args[-1])  # the SamplingParams
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(sampler, "sample", counted)
+  return traces
 
 
 def test_left_pad():
@@ -113,7 +128,7 @@ def test_categorical_law():
 
 
 def test_logprobs_match_trainer(model, prompts, outputs):
-  """Behaviour log-probs == model.token_logprobs on prompt + response at the same temperature."""
+  """Behaviour log-probs == the trainer's log-probs on prompt + response at the same temperature."""
   out = _tempered(outputs)
   ptoks, pmask = prompts
   tokens = jnp.concatenate([ptoks, out.tokens], axis=1)
@@ -247,3 +262,24 @@ def test_functional_form_inside_user_jit(model, prompts, outputs):
 
   tokens = step(state, *prompts, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(tokens), _greedy(outputs).tokens)
+
+
+def test_sampler_compiles_once_for_new_params_prompts_and_keys(model, monkeypatch):
+  """Batches of one shape under one setting trace the decode once, whatever the parameters (here
+  rescaled by a jit, as an update returns them), prompts and keys: a silent retrace (a weak-typed,
+  re-typed or re-laid-out argument, an unhashable setting) would recompile it on every call."""
+  traces = count_traces(monkeypatch)
+  settings = dict(max_new_tokens=5, temperature=0.9, top_k=7, stop_ids=(2,))  # only this test's
+  sampling = sampler.SamplingParams(**settings)
+  graphdef, params = nnx.split(model)
+  rescale = jax.jit(lambda p, c: jax.tree.map(lambda x: x * c, p))
+  rng = np.random.default_rng(0)
+  for i in range(3):
+    prompts = [list(rng.integers(3, 64, size=rng.integers(1, 9))) for _ in range(3)]
+    tokens, mask = sampler.left_pad(prompts, pad_id=0, length=8)
+    params = rescale(params, 1.0 + 0.1 * i)
+    out = sampler.sample_jit(graphdef, params, tokens, mask, jax.random.key(i), sampling)
+    assert out.tokens.shape == (3, 5)
+  # `generate` builds the same graphdef and SamplingParams, so it reuses that compile too.
+  sampler.generate(model, tokens, mask, jax.random.key(9), **settings)
+  assert traces == [sampling], f"{len(traces)} traces: {traces}"

@@ -6,13 +6,24 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import checkpointing, objective, plan, policy_eval, sampler, sharding, train_step
+from gppo_jax import (
+  architectures,
+  checkpointing,
+  objective,
+  partitioning,
+  plan,
+  policy_eval,
+  sampler,
+  sharding,
+  train_step,
+)
 from gppo_jax import model as model_lib
 from gppo_jax.envs import Prompt
 
@@ -29,7 +40,7 @@ def mesh_of(shape):
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = model_lib.get_preset("tiny", remat="none")
+  cfg = architectures.get("tiny", remat="none")
   graphdef, params = nnx.split(model_lib.create(cfg, seed=0))
   tx = train_step.make_optimizer(lr=1e-2, total_steps=10)
   rng = np.random.default_rng(0)
@@ -106,12 +117,12 @@ def test_batches_split_over_data_and_fsdp(setup):
   assert sharding.process_rows(16, mesh) == slice(0, 16)
   # constrain_batch pins inside jit on the ambient mesh and is a no-op without one.
   x = jnp.ones((8, 3))
-  assert sharding.constrain_batch(x) is x
+  assert partitioning.constrain_batch(x) is x
 
   @jax.jit
   def f(x):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return sharding.constrain_batch(x) * 2
+      return partitioning.constrain_batch(x) * 2
 
   assert f(jax.device_put(x, sharding.replicated(mesh))).sharding.spec == jax.P(("data", "fsdp"))
 
@@ -156,7 +167,7 @@ def test_sharded_sampler_gives_identical_tokens(setup, shape):
   mesh = mesh_of(shape)
   params = setup["host_state"].params
   shardings = sharding.state_shardings(setup["host_state"], mesh).params
-  sample = sharding.jit_sampler(setup["graphdef"], SAMPLING, shardings, N)
+  sample = sampler.jit_sampler(setup["graphdef"], SAMPLING, shardings, N)
   out = sample(jax.device_put(params, shardings), setup["p_tok"], setup["p_mask"], setup["key"])
   want = setup["want_sample"]
   np.testing.assert_array_equal(np.asarray(out.tokens), want.tokens)
@@ -165,6 +176,34 @@ def test_sharded_sampler_gives_identical_tokens(setup, shape):
   np.testing.assert_allclose(np.asarray(out.logprobs), want.logprobs, atol=1e-5)
   assert out.tokens.sharding.spec[0] == ("data", "fsdp")
   assert want.mask.sum() > N  # the comparison covers several tokens per row
+
+
+def test_training_loop_compiles_the_update_and_the_sampler_once(setup, monkeypatch):
+  """Iterations as the train loop runs them (sample with the current parameters, then update them)
+  on new prompts, rollout batches and keys: the sharded update and the mesh sampler each trace
+  once. A retrace (say an update returning parameters typed or laid out unlike those it took)
+  would recompile both every iteration; chex.assert_max_traces makes it a failure."""
+  chex.clear_trace_counter()
+  # The sharded sampler traces `sampler.sample` by name; the update is wrapped before its jit.
+  monkeypatch.setattr(sampler, "sample", chex.assert_max_traces(sampler.sample, n=1))
+  mesh = mesh_of((1, 2, 4))
+  shardings = sharding.state_shardings(setup["host_state"], mesh)
+  update = sharding.jit_update(
+    chex.assert_max_traces(setup["update_fn"], n=1),
+    shardings,
+    sharding.batch_shardings(setup["batch"], mesh),
+  )
+  mesh_sampler = sampler.MeshSampler(setup["graphdef"], shardings.params)
+  state = jax.device_put(setup["host_state"], shardings)
+  rng = np.random.default_rng(5)
+  for i in range(3):
+    key = jax.random.PRNGKey(i)
+    p_tok = rng.integers(3, setup["cfg"].vocab_size, (N, P)).astype(np.int32)
+    out = mesh_sampler(state.params, p_tok, setup["p_mask"], key, SAMPLING)
+    assert out.tokens.shape == (N, SAMPLING.max_new_tokens)
+    batch = dict(setup["batch"], adv=rng.normal(size=N).astype(np.float32))
+    state, metrics = update(state, sharding.shard_batch(batch, mesh), key)
+  assert int(state.step) == 12 and np.isfinite(np.asarray(metrics["loss/total"])).all()
 
 
 class _ParityEnv:
@@ -200,7 +239,7 @@ def test_periodic_eval_on_a_mesh_matches_one_device(setup):
   mesh = mesh_of((2, 2, 2))
   params = setup["host_state"].params
   shardings = sharding.state_shardings(setup["host_state"], mesh).params
-  mesh_sampler = sharding.MeshSampler(setup["graphdef"], shardings)
+  mesh_sampler = sampler.MeshSampler(setup["graphdef"], shardings)
   assert mesh_sampler.batch_multiple == 4
   placed = jax.device_put(params, shardings)
   env = _ParityEnv(setup["p_tok"], setup["p_mask"], N)
@@ -220,9 +259,10 @@ def test_periodic_eval_on_a_mesh_matches_one_device(setup):
     prompts = env.prompts[:n]
     greedy = sampler.SamplingParams(5, greedy=True, stop_ids=(2,))
     args = dict(prompt_len=P, pad_id=0, batch_size=bs)
-    _, _, a = policy_eval.sample_prompts(setup["graphdef"], params, prompts, greedy, key, **args)
-    _, _, b = policy_eval.sample_prompts(
-      setup["graphdef"], placed, prompts, greedy, key, sample_fn=mesh_sampler, **args
+    ids = [p.token_ids for p in prompts]
+    a = sampler.sample_prompts(setup["graphdef"], params, ids, greedy, key, **args)
+    b = sampler.sample_prompts(
+      setup["graphdef"], placed, ids, greedy, key, sample_fn=mesh_sampler, **args
     )
     assert b.tokens.shape == a.tokens.shape == (n, 5)
     np.testing.assert_array_equal(b.tokens, a.tokens)
@@ -283,7 +323,7 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
   mesh = {"data": 1, "fsdp": 4, "tensor": 1}
   got = plan.plan(config, mesh, device_memory_gb=95, devices=jax.devices()[:4])
   n = got.num_params
-  assert n == model_lib.param_count(model_lib.create(model_lib.get_preset("tiny")))
+  assert n == model_lib.param_count(model_lib.create(architectures.get("tiny")))
   assert got.params == n * 4 // 4  # float32, every tiny dimension splits 4 ways
   assert 0 <= got.optimizer - 2 * got.params < 64  # Adam mu + nu, plus replicated counts
   assert got.source == "compiled" and got.activations > 0 and got.fits

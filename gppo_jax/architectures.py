@@ -1,0 +1,347 @@
+"""The policy's architecture: `ModelConfig`, the named architectures, the config.json mapping.
+
+`ModelConfig` is the frozen, hashable shape and numerics of the transformer in `model.py`.
+`ARCHITECTURES` names ready-made configurations (the config field `model.preset` picks one;
+`get(name, **overrides)` returns it). `config_from_hf` / `config_to_hf` translate a Hugging Face
+config.json (Llama 3, Qwen2/2.5, Qwen3) to and from a `ModelConfig`; the weight mapping lives in
+`hf_checkpoint.py`. Imports jax, never flax: nothing here builds a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gppo_jax import errors
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FAMILIES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+# Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory),
+# "dots" also keeps weight-matmul outputs, "none" keeps everything (fastest, most memory).
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of the transformer. Frozen and hashable: usable as a static jit arg."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None  # sorted (key, value) pairs of HF's rope_scaling dict
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # q/k/v bias (Qwen2 / Qwen2.5)
+  qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  max_position_embeddings: int = 4096
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  pad_token_id: int = 0
+  family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
+  remat: str = "full"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
+  # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char
+  # architectures use a larger one, without which attention stays uniform for hundreds of steps.
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {sorted(DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
+    if self.family not in FAMILIES:
+      raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    rope_type = self.rope_params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+      raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+
+  @property
+  def rope_params(self) -> dict[str, Any]:
+    return dict(self.rope_scaling or ())
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return DTYPES[self.dtype]
+
+  @property
+  def params_dtype(self) -> jnp.dtype:
+    return DTYPES[self.param_dtype]
+
+
+def rope_scaling_tuple(rope_scaling: Mapping[str, Any] | None) -> tuple | None:
+  """HF's rope_scaling dict as the hashable sorted tuple ModelConfig stores (None stays None)."""
+  if not rope_scaling:
+    return None
+  d = dict(rope_scaling)
+  if "type" in d and "rope_type" not in d:  # pre-4.45 spelling
+    d["rope_type"] = d.pop("type")
+  d.pop("type", None)
+  d.pop("rope_theta", None)  # transformers>=5 keeps theta inside rope_parameters
+  if d.get("rope_type", "default") == "default" and len(d) <= 1:
+    return None
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+_LLAMA31_ROPE = rope_scaling_tuple(
+  {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+  }
+)
+_LLAMA32_ROPE = rope_scaling_tuple(dict(dict(_LLAMA31_ROPE), factor=32.0))
+_QWEN = dict(
+  rope_theta=1_000_000.0,
+  rms_norm_eps=1e-6,
+  bos_token_id=151643,
+  eos_token_ids=(151645, 151643),
+  pad_token_id=151643,
+)
+_LLAMA = dict(
+  rope_theta=500_000.0,
+  rms_norm_eps=1e-5,
+  max_position_embeddings=131072,
+  bos_token_id=128000,
+  eos_token_ids=(128001, 128008, 128009),
+  pad_token_id=128004,
+  family="llama",
+)
+
+
+def _qwen2(vocab, d, f, layers, heads, kv, tie):
+  return ModelConfig(
+    vocab, d, f, layers, heads, kv, d // heads, tie_word_embeddings=tie, attention_bias=True,
+    max_position_embeddings=32768, family="qwen2", **_QWEN,
+  )  # fmt: skip
+
+
+def _qwen3(d, f, layers, heads, kv, tie):
+  return ModelConfig(
+    151936, d, f, layers, heads, kv, 128, tie_word_embeddings=tie, qk_norm=True,
+    max_position_embeddings=40960, family="qwen3", **_QWEN,
+  )  # fmt: skip
+
+
+# The named architectures (config field `model.preset`). The char-* ones are the built-in task
+# policies, whose vocabulary the run replaces with its tokenizer's.
+ARCHITECTURES: dict[str, ModelConfig] = {
+  # Test-sized; loads nothing, compiles in seconds on CPU.
+  "tiny": ModelConfig(64, 64, 128, 2, 4, 2, 16, max_position_embeddings=512, eos_token_ids=(2,)),
+  # The embedded CPU default: char-level task policies (vocab 64, ~0.1M and ~0.8M params).
+  "char-tiny": ModelConfig(
+    64,
+    64,
+    192,
+    2,
+    4,
+    2,
+    16,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+    initializer_range=0.1,
+    remat="none",  # tiny: recomputing activations only costs time
+  ),  # fmt: skip
+  "char-small": ModelConfig(
+    64,
+    128,
+    384,
+    4,
+    4,
+    2,
+    32,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+    initializer_range=0.1,
+    remat="none",  # tiny: recomputing activations only costs time
+  ),  # fmt: skip
+  "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
+  "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
+  "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),
+  "qwen2.5-7b": _qwen2(152064, 3584, 18944, 28, 28, 4, False),
+  "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+  "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+  "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+  "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+  "llama3.1-8b": ModelConfig(
+    128256, 4096, 14336, 32, 32, 8, 128, rope_scaling=_LLAMA31_ROPE, **_LLAMA
+  ),
+  "llama3.2-1b": ModelConfig(
+    128256,
+    2048,
+    8192,
+    16,
+    32,
+    8,
+    64,
+    rope_scaling=_LLAMA32_ROPE,
+    tie_word_embeddings=True,
+    **_LLAMA,
+  ),  # fmt: skip
+  "llama3.2-3b": ModelConfig(
+    128256,
+    3072,
+    8192,
+    28,
+    24,
+    8,
+    128,
+    rope_scaling=_LLAMA32_ROPE,
+    tie_word_embeddings=True,
+    **_LLAMA,
+  ),  # fmt: skip
+}
+
+
+def get(name: str, **overrides) -> ModelConfig:
+  """The named architecture with field overrides (e.g. dtype="bfloat16").
+
+  An unknown name raises `errors.UnknownNameError` listing the valid ones; a bad override raises
+  ModelConfig's ValueError.
+  """
+  if name not in ARCHITECTURES:
+    raise errors.unknown_name("model architecture", name, ARCHITECTURES)
+  return dataclasses.replace(ARCHITECTURES[name], **overrides)
+
+
+_HF_FAMILIES = {
+  "LlamaForCausalLM": "llama",
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def hf_family(hf_config: Mapping[str, Any]) -> str:
+  """The family ("llama" | "qwen2" | "qwen3") named by a config.json; ValueError otherwise."""
+  for arch in hf_config.get("architectures") or ():
+    if arch in _HF_FAMILIES:
+      return _HF_FAMILIES[arch]
+  model_type = hf_config.get("model_type")
+  if model_type in _MODEL_TYPES:
+    return _MODEL_TYPES[model_type]
+  raise ValueError(
+    f"unsupported architecture: architectures={hf_config.get('architectures')}, "
+    f"model_type={model_type!r}; supported: {sorted(_HF_FAMILIES)}"
+  )
+
+
+def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
+  """A ModelConfig from the contents of a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+  c = dict(hf_config)
+  family = hf_family(c)
+  unsupported = []
+  if c.get("hidden_act", "silu") != "silu":
+    unsupported.append(f"hidden_act={c['hidden_act']!r}")
+  if c.get("mlp_bias"):
+    unsupported.append("mlp_bias=true")
+  if c.get("use_sliding_window"):
+    unsupported.append("use_sliding_window=true")
+  if family != "qwen2" and c.get("attention_bias"):
+    unsupported.append(f"attention_bias=true for {family} (bias on o_proj)")
+  if c.get("partial_rotary_factor", 1.0) != 1.0:
+    unsupported.append("partial_rotary_factor")
+  if unsupported:
+    raise ValueError(f"config.json: unsupported settings for {family}: {', '.join(unsupported)}")
+  rope = dict(c.get("rope_parameters") or {})
+  rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+  if c.get("rope_scaling"):
+    rope = dict(c["rope_scaling"])
+  eos = c.get("eos_token_id")
+  eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+  num_heads = int(c["num_attention_heads"])
+  pad = c.get("pad_token_id")
+  if pad is None:
+    pad = eos_ids[0] if eos_ids else 0
+  dtype = {"bfloat16": "bfloat16"}.get(c.get("torch_dtype") or c.get("dtype"), "float32")
+  kwargs = dict(
+    vocab_size=int(c["vocab_size"]),
+    hidden_size=int(c["hidden_size"]),
+    intermediate_size=int(c["intermediate_size"]),
+    num_layers=int(c["num_hidden_layers"]),
+    num_heads=num_heads,
+    num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
+    head_dim=int(c.get("head_dim") or c["hidden_size"] // num_heads),
+    rope_theta=float(rope_theta),
+    rope_scaling=rope_scaling_tuple(rope),
+    rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+    tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+    attention_bias=family == "qwen2",
+    qk_norm=family == "qwen3",
+    dtype=dtype,
+    param_dtype=dtype,
+    max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+    bos_token_id=c.get("bos_token_id"),
+    eos_token_ids=eos_ids,
+    pad_token_id=int(pad),
+    family=family,
+    initializer_range=float(c.get("initializer_range", 0.02)),
+  )
+  kwargs.update(overrides)
+  return ModelConfig(**kwargs)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The config.json contents that transformers and vLLM read for this model."""
+  arch = {v: k for k, v in _HF_FAMILIES.items()}[cfg.family]
+  eos = list(cfg.eos_token_ids)
+  out: dict[str, Any] = {
+    "architectures": [arch],
+    "model_type": cfg.family,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "attention_dropout": 0.0,
+    "initializer_range": cfg.initializer_range,
+    "use_cache": True,
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    "pad_token_id": cfg.pad_token_id,
+    "torch_dtype": cfg.param_dtype,
+  }
+  if cfg.family == "llama":
+    out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+  else:
+    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+  if cfg.family == "qwen3":
+    out["attention_bias"] = False
+  return out
