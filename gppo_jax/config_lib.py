@@ -336,17 +336,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax import advantages, divergences, envs, estimators, objective, tasks
-  from gppo_jax import model as model_lib
+  from gppo_jax import advantages, architectures, divergences, envs, estimators, objective, tasks
 
   _registry_name("loss.divergence", divergences.get, c.loss.divergence)
   _registry_name("loss.estimator", estimators.get, c.loss.estimator)
   _registry_name("advantage.name", advantages.get, c.advantage.name)
   _registry_name("task.name", tasks.get, c.task.name)
-  if c.model.preset not in model_lib.PRESETS:  # model.get_preset raises a plain ValueError
-    raise errors.unknown_name(
-      "model preset", c.model.preset, sorted(model_lib.PRESETS), " (model.preset)"
-    )
+  _registry_name("model.preset", architectures.get, c.model.preset)
 
   k = _Checks(c)
   k.integer("seed", -(2**63))
@@ -363,8 +359,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   k.number("data.verifier_timeout_s", 0, lo_open=True)
   # Model.
   k.text("model.path", none_ok=True)
-  k.choice("model.dtype", tuple(model_lib.DTYPES))
-  k.choice("model.param_dtype", tuple(model_lib.DTYPES))
+  k.choice("model.dtype", tuple(architectures.DTYPES))
+  k.choice("model.param_dtype", tuple(architectures.DTYPES))
   k.flag("model.export_hf")
   # Warm start of the built-in policy.
   k.flag("warmstart.enabled")

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from gppo_jax import config_lib, envs, tasks, train, train_step
+from gppo_jax import config_lib, envs, evaluate, experiment, tasks, train, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,10 +120,11 @@ def tiny_policy_and_tokens(n: int, seed: int):
   returns env, graphdef, params, prompts, responses and the rng for further draws."""
   from flax import nnx
 
+  from gppo_jax import architectures
   from gppo_jax import model as model_lib
 
   env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
-  cfg = model_lib.get_preset("char-tiny", vocab_size=env.tokenizer.vocab_size)
+  cfg = architectures.get("char-tiny", vocab_size=env.tokenizer.vocab_size)
   graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(seed)
   p_tok = rng.integers(3, cfg.vocab_size, (n, env.max_prompt_len)).astype(np.int32)
@@ -232,7 +233,7 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   # The resumed optimizer step count continues from the checkpoint.
   assert lines2[-1]["optim/steps"] == 4 * c.train.epochs * c.train.minibatches
   # `python -m gppo_jax.evaluate` reads the latest checkpoint and reports the decoding settings.
-  report = train.evaluate_checkpoint(c, wd)
+  report = evaluate.evaluate_checkpoint(c, wd)
   assert report["num_problems"] == c.eval.num_problems
   assert report["decoding"]["k"] == c.eval.k and 0.0 <= report["eval/accuracy"] <= 1.0
   assert f"eval/pass@{c.eval.k}" in report
@@ -317,14 +318,14 @@ def test_policy_learns_on_a_tiny_task(
 
 def test_workdir_on_shared_storage_keeps_checkpoints_there(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  logs, ckpt = train.split_workdir("gs://bucket/runs/qwen-kl/")
+  logs, ckpt = experiment.split_workdir("gs://bucket/runs/qwen-kl/")
   assert ckpt == "gs://bucket/runs/qwen-kl/checkpoints"
   assert logs == str(tmp_path / "workdirs" / "qwen-kl")
-  assert train.split_workdir("runs/a") == (
+  assert experiment.split_workdir("runs/a") == (
     str(tmp_path / "runs/a"),
     str(tmp_path / "runs/a/checkpoints"),
   )
-  assert train.default_workdir("configs/kl_atomic.py:smoke,task=add1") == os.path.join(
+  assert experiment.default_workdir("configs/kl_atomic.py:smoke,task=add1") == os.path.join(
     "workdirs", "kl_atomic_smoke_task-add1"
   )
 
@@ -360,8 +361,8 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   corrupt one, never stops training."""
   from flax import nnx
 
+  from gppo_jax import architectures, warmstart
   from gppo_jax import model as model_lib
-  from gppo_jax import warmstart
 
   c = load_config("kl_atomic.py", "smoke,task=add1")
   c.warmstart.cache_dir = str(tmp_path / "cache")
@@ -369,7 +370,7 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   c.warmstart.eval_every = 3
   env = envs.BuiltinEnv("add1", seed=0, eval_size=16)
   tok = env.tokenizer
-  cfg = model_lib.get_preset("char-tiny", vocab_size=tok.vocab_size)
+  cfg = architectures.get("char-tiny", vocab_size=tok.vocab_size)
   graphdef, params0 = nnx.split(model_lib.create(cfg, 0))
   logs = []
 

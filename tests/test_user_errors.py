@@ -206,7 +206,7 @@ def test_validate_names_unknown_registry_entries_with_their_field():
     ("loss.estimator", "atom", "loss.estimator: unknown estimator 'atom'"),
     ("advantage.name", "gpro", "advantage.name: unknown advantage estimator"),
     ("task.name", "add9", "task.name: unknown built-in task 'add9'"),
-    ("model.preset", "gpt9", "unknown model preset 'gpt9'"),
+    ("model.preset", "gpt9", "model.preset: unknown model architecture 'gpt9'"),
   ]:
     c = config_lib.base("smoke")
     _set(c, field, value)
