@@ -23,7 +23,6 @@ from gppo_jax import (
   checkpointing,
   experiment,
   partitioning,
-  policy_eval,
   sampler,
   sharding,
   train_step,
@@ -98,19 +97,10 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
       params = restored.params
     param_sh = partitioning.state_shardings(params, mesh, partitioning.DEFAULT_RULES)
     params = jax.device_put(params, param_sh)
-    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9)
     max_new = experiment.sampling_params(config, env, stop_ids=(), pad_id=0).max_new_tokens
-    e = config.eval
-    metrics = policy_eval.evaluate_policy(
-      graphdef,
-      params,
-      env,
-      key,
-      k=e.k,
-      temperature=e.temperature,
-      top_p=e.top_p,
-      max_new_tokens=max_new,
-      sample_fn=sampler.MeshSampler(graphdef, param_sh),
+    sample_fn = sampler.MeshSampler(graphdef, param_sh)
+    metrics = experiment.evaluate(
+      config, graphdef, params, env, max_new_tokens=max_new, sample_fn=sample_fn
     )
     num_problems = len(env.eval_prompts())
   finally:
@@ -120,9 +110,9 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
     "num_problems": num_problems,
     "decoding": {
       "greedy": True,
-      "k": e.k,
-      "temperature": e.temperature,
-      "top_p": e.top_p,
+      "k": config.eval.k,
+      "temperature": config.eval.temperature,
+      "top_p": config.eval.top_p,
       "max_new_tokens": max_new,
     },
     **metrics,

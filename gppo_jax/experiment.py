@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gppo_jax import architectures, envs, sampler, sharding, train_step
+from gppo_jax import architectures, envs, policy_eval, sampler, sharding, train_step
 from gppo_jax import model as model_lib
 from gppo_jax.errors import MissingFileError, UserError
 
@@ -200,6 +200,23 @@ def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
     stop_ids=tuple(stop_ids),
     pad_id=pad_id,
     num_topk=r.num_topk,
+  )
+
+
+def evaluate(config, graphdef, params, env, *, max_new_tokens: int, sample_fn) -> dict[str, float]:
+  """The config's evaluation (config.eval) of `params` on env's held-out set, with the run's fixed
+  evaluation key: the trainer's periodic evals and the evaluate command score alike."""
+  e = config.eval
+  return policy_eval.evaluate_policy(
+    graphdef,
+    params,
+    env,
+    jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9),
+    k=e.k,
+    temperature=e.temperature,
+    top_p=e.top_p,
+    max_new_tokens=max_new_tokens,
+    sample_fn=sample_fn,
   )
 
 

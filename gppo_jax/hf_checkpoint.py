@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gppo_jax import errors, partitioning
+from gppo_jax import tokenizer as tokenizer_lib
 from gppo_jax.architectures import ModelConfig, config_from_hf, config_to_hf
 from gppo_jax.model import Transformer
 
@@ -151,13 +152,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     raise errors.MissingFileError(
       f"{f}: missing; a Hugging Face checkpoint folder needs config.json"
     )
-  try:
-    out = json.loads(f.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise errors.CheckpointError(f"{f}: invalid JSON ({e})") from e
-  if not isinstance(out, dict):
-    raise errors.CheckpointError(f"{f}: expected a JSON object, got {type(out).__name__}")
-  return out
+  return tokenizer_lib.read_json_object(f)
 
 
 def model_config(path: str | Path, **overrides) -> ModelConfig:

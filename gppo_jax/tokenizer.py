@@ -142,14 +142,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise errors.CheckpointError(
       f"{tok_file}: cannot be read by the tokenizers library: {e}"
     ) from e
-  config: dict[str, Any] = _read_json(path / TOKENIZER_CONFIG_FILE)
+  config: dict[str, Any] = read_json_object(path / TOKENIZER_CONFIG_FILE)
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: use "default"
     named = {t["name"]: t["template"] for t in template}
     template = named.get("default") or next(iter(named.values()), None)
   if (path / CHAT_TEMPLATE_FILE).is_file():
     template = (path / CHAT_TEMPLATE_FILE).read_text()
-  eos = _read_json(path / GENERATION_CONFIG_FILE).get("eos_token_id")
+  eos = read_json_object(path / GENERATION_CONFIG_FILE).get("eos_token_id")
   extra_eos: list[int] = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
   try:
     return Tokenizer(
@@ -165,7 +165,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise errors.CheckpointError(f"{path}: {e}") from e
 
 
-def _read_json(f: Path) -> dict[str, Any]:
+def read_json_object(f: Path) -> dict[str, Any]:
   """The JSON object in `f`, {} if there is no such file; CheckpointError naming it if bad."""
   if not f.is_file():
     return {}

@@ -213,20 +213,10 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
 
   update = sharded_logprobs = None  # compiled on the first batch, whose shapes they need
   base_key = jax.random.PRNGKey(config.seed)
-  eval_key = jax.random.fold_in(base_key, 10**9)
 
   def run_eval(params) -> dict[str, float]:
-    e = config.eval
-    return policy_eval.evaluate_policy(
-      graphdef,
-      params,
-      env,
-      eval_key,
-      k=e.k,
-      temperature=e.temperature,
-      top_p=e.top_p,
-      max_new_tokens=resp_len,
-      sample_fn=mesh_sampler,
+    return experiment.evaluate(
+      config, graphdef, params, env, max_new_tokens=resp_len, sample_fn=mesh_sampler
     )
 
   # --- Resume, or evaluate the initial policy ---------------------------------------------------
