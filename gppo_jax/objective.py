@@ -125,6 +125,26 @@ class LossConfig:
     return cls(**values)
 
 
+def trust_region_out(
+  estimate: Array,
+  ratio: Array,
+  advantages: Array,
+  valid: Array,
+  delta_low: float | Array,
+  delta_high: float | Array,
+) -> tuple[Array, Array]:
+  """(out_low, out_high), bool [B, T]: the tokens the trust region masks (docs/math.md#loss).
+
+  out_high = A > 0 and r > 1 and estimate > delta_high; out_low = A < 0 and r < 1 and
+  estimate > delta_low; both only where `valid`. `advantages` broadcasts against [B, T].
+  """
+  pos = advantages > 0
+  neg = advantages < 0
+  out_high = pos & (ratio > 1.0) & (estimate > delta_high) & valid
+  out_low = neg & (ratio < 1.0) & (estimate > delta_low) & valid
+  return out_low, out_high
+
+
 def _masked_mean(x: Array, mask: Array, count: Array) -> Array:
   return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(count, 1.0)
 
@@ -207,10 +227,8 @@ def policy_loss(
   estimate = jax.lax.stop_gradient(
     est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
   )
-  pos = advantages > 0
   neg = advantages < 0
-  out_high = pos & (ratio_sg > 1.0) & (estimate > delta_high) & valid
-  out_low = neg & (ratio_sg < 1.0) & (estimate > delta_low) & valid
+  out_low, out_high = trust_region_out(estimate, ratio_sg, advantages, valid, delta_low, delta_high)
   out = out_high | out_low
   if dual_clip is not None:
     out_dual = neg & (ratio_sg > dual_clip) & valid
