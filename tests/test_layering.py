@@ -34,6 +34,7 @@ LAYERS = [
       "config_lib",
       "experiment",
       "cli",
+      "diagnostics",
     },
   ),
   ("entry points", {"train", "evaluate", "plan", "prepare_data"}),
