@@ -12,7 +12,10 @@ PACKAGE = os.path.join(REPO, "gppo_jax")
 
 LAYERS = [
   ("errors", {"errors", "registry"}),
-  ("math", {"divergences", "estimators", "objective", "theory", "advantages", "presets"}),
+  (
+    "math",
+    {"divergences", "estimators", "objective", "theory", "advantages", "presets", "sweep_stats"},
+  ),
   (
     "model",
     {"architectures", "model", "partitioning", "sharding", "sampler", "tokenizer", "hf_checkpoint"},
@@ -37,7 +40,7 @@ LAYERS = [
       "diagnostics",
     },
   ),
-  ("entry points", {"train", "evaluate", "plan", "prepare_data"}),
+  ("entry points", {"train", "evaluate", "plan", "prepare_data", "sweep"}),
 ]
 
 

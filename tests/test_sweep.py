@@ -1,0 +1,464 @@
+"""python -m gppo_jax.sweep and gppo_jax.sweep_stats: statistics on known cases, the commands a
+sweep launches, reading run folders back, the outputs, resuming, and one real tiny sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gppo_jax import errors, presets, sweep, theory
+from gppo_jax import sweep_stats as st
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --- Statistics ---------------------------------------------------------------------------------
+
+
+def test_auc_is_the_mean_height_of_the_curve():
+  assert st.auc([0, 50, 100], [0.3, 0.3, 0.3]) == pytest.approx(0.3)
+  assert st.auc([0, 400], [0.2, 0.6]) == pytest.approx(0.4)  # a straight line: the midpoint
+  # Unequal spacing weighs each segment by its length: (0.5 * 10 + 1.0 * 30) / 40.
+  assert st.auc([0, 10, 40], [0.0, 1.0, 1.0]) == pytest.approx(35 / 40)
+  assert st.auc([7], [0.25]) == 0.25
+  with pytest.raises(ValueError):
+    st.auc([0, 0], [1, 1])
+
+
+def test_interval_of_a_constant_sample_is_a_point_and_one_seed_has_none():
+  assert st.mean_ci([0.4] * 6) == pytest.approx((0.4, 0.4, 0.4))
+  mean, lo, hi = st.mean_ci([0.4])
+  assert mean == 0.4 and math.isnan(lo) and math.isnan(hi)
+  d, dlo, dhi = st.paired_difference_ci([0.5, 0.6, 0.9], [0.4, 0.5, 0.8])
+  assert (d, dlo, dhi) == pytest.approx((0.1, 0.1, 0.1))  # a constant difference: a point
+
+
+def test_bootstrap_interval_covers_a_normal_mean_about_95_percent():
+  rng = np.random.default_rng(7)
+  draws, n, mu = 400, 40, 0.5
+  hits = 0
+  for i in range(draws):
+    _, lo, hi = st.mean_ci(rng.normal(mu, 0.1, n), n_boot=1000, seed=i)
+    hits += lo <= mu <= hi
+  # Percentile bootstrap at 40 seeds: about 0.94 (2000 draws); the binomial sd here is 0.012.
+  assert 0.90 <= hits / draws <= 0.98, hits / draws
+
+
+def test_paired_interval_is_narrower_on_correlated_data():
+  rng = np.random.default_rng(0)
+  seed_effect = rng.normal(0.5, 0.1, 12)  # what both cells share through the seed
+  a = seed_effect + 0.03 + rng.normal(0, 0.01, 12)
+  b = seed_effect + rng.normal(0, 0.01, 12)
+  d, lo, hi = st.paired_difference_ci(a, b)
+  du, ulo, uhi = st.unpaired_difference_ci(a, b)
+  assert d == pytest.approx(du)
+  assert (hi - lo) < 0.3 * (uhi - ulo), (hi - lo, uhi - ulo)
+  assert lo > 0 and ulo < 0  # pairing resolves a difference the unpaired interval cannot
+
+
+def test_relative_gains_average_over_pairs():
+  means = np.array([0.6, 0.5, 0.3, 0.2])  # cells 0 over 1: +20%; cell 2 over 3: +50%
+  assert st.relative_gain(means, [(0, 1), (2, 3)]) == pytest.approx(0.35)
+  x = np.array([[0.6, 0.5, 0.3, 0.2], [0.6, 0.5, 0.3, 0.2]])
+  assert st.relative_gain_ci(x, [(0, 1), (2, 3)]) == pytest.approx((0.35, 0.35, 0.35))
+  assert math.isnan(float(st.relative_gain(np.array([0.5, 0.0]), [(0, 1)])))
+
+
+def test_curve_band_brackets_the_mean():
+  curves = np.array([[0.1, 0.2, 0.5], [0.1, 0.4, 0.6], [0.1, 0.3, 0.4]])
+  mean, lo, hi = st.curve_band(curves, n_boot=500)
+  np.testing.assert_allclose(mean, [0.1, 0.3, 0.5])
+  assert lo[0] == hi[0] == pytest.approx(0.1)  # every seed equal there
+  assert np.all(lo <= mean) and np.all(mean <= hi) and hi[1] - lo[1] > 0
+
+
+# --- Axes and commands --------------------------------------------------------------------------
+
+
+def _settings(tmp_path, **kw) -> sweep.Settings:
+  return sweep.Settings(out=str(tmp_path), **kw)
+
+
+def _arg(cmd, name):
+  hits = [c.split("=", 1)[1] for c in cmd if c.startswith(f"--config.{name}=")]
+  assert len(hits) == 1, (name, cmd)
+  return hits[0]
+
+
+def test_parse_axes():
+  assert sweep.parse_cells("grid,none,dppo,kl_atomic") == [*sweep.GRID, "none", "dppo"]
+  assert sweep.parse_seeds("0-2,5,1") == [0, 1, 2, 5]
+  assert sweep.parse_scales("0.5,1,1") == [0.5, 1.0]
+  assert sweep.parse_overrides(["optim.lr=3e-4", "--config.iterations=2"]) == (
+    "optim.lr=3e-4",
+    "iterations=2",
+  )
+  for bad in (
+    lambda: sweep.parse_cells("kl_atomc"),
+    lambda: sweep.parse_seeds("3-1"),
+    lambda: sweep.parse_rules("equal_kl"),
+    lambda: sweep.parse_scales("0"),
+    lambda: sweep.parse_overrides(["optim.lrr=1"]),
+    lambda: sweep.parse_overrides(["optim.lr"]),
+  ):
+    with pytest.raises(errors.ConfigError):
+      bad()
+
+
+def test_runs_are_seed_major_and_none_and_presets_are_not_repeated():
+  runs = sweep.expand(["kl_atomic", "none", "dppo"], ["f_eps", "equal_tv"], [1.0, 0.5], [0, 1])
+  names = [r.name for r in runs]
+  assert len(names) == len(set(names)) == 2 * (4 + 1 + 2)  # kl_atomic 2x2, none 1, dppo 2 scales
+  assert [r.seed for r in runs] == sorted(r.seed for r in runs)
+  assert "none__inf__s0" in names and "dppo__own_x0.5__s1" in names
+  assert "kl_atomic__equal_tv_x0.5__s0" in names
+
+
+def test_commands_state_the_cell_the_radius_the_seeds_and_the_overrides(tmp_path):
+  s = _settings(tmp_path, overrides=("optim.lr=1e-3",))
+  cmd = sweep.command(sweep.Run(3, "f_eps", 1.0, "kl_atomic"), s)
+  assert cmd[1:3] == ["-m", "gppo_jax.train"] and cmd[3].endswith(
+    os.path.join("configs", "base.py")
+  )
+  assert _arg(cmd, "seed") == "3" and _arg(cmd, "warmstart.seed") == "3"  # per-seed start
+  assert (_arg(cmd, "loss.divergence"), _arg(cmd, "loss.estimator")) == ("kl", "atomic")
+  assert (
+    float(_arg(cmd, "loss.delta_low"))
+    == presets.default_delta("kl")
+    == pytest.approx(0.0231, rel=1e-2)
+  )
+  assert cmd[-1] == "--config.optim.lr=1e-3"  # the sweep's overrides come last
+  assert f"--workdir={tmp_path / 'runs' / 'kl_atomic__f_eps_x1__s3'}" in cmd
+  shared = sweep.command(
+    sweep.Run(3, "f_eps", 1.0, "kl_atomic"), _settings(tmp_path, start="shared")
+  )
+  assert _arg(shared, "seed") == "3" and _arg(shared, "warmstart.seed") == "0"
+  # none: PPO's clip with an infinite radius; a preset: its loss and advantage.
+  none = sweep.command(sweep.Run(0, sweep.INF, 1.0, "none"), s)
+  assert (_arg(none, "loss.divergence"), _arg(none, "loss.estimator")) == ("tv", "mc")
+  assert float(_arg(none, "loss.delta_low")) == float(_arg(none, "loss.delta_high")) == math.inf
+  dppo = sweep.command(sweep.Run(0, sweep.OWN, 2.0, "dppo"), s)
+  assert float(_arg(dppo, "loss.delta_low")) == pytest.approx(0.3)  # 2 x its own 0.15
+  assert _arg(dppo, "loss.aggregation") == "seq-mean-token-sum-norm"
+  assert _arg(dppo, "advantage.name") == "dr_grpo"
+  assert not any("aggregation" in c or "advantage" in c for c in cmd)  # the base's already
+
+
+def test_equal_tv_radii_match_the_reference_cells_tv_radius(tmp_path):
+  for scale in (1.0, 0.5):
+    ref = float(theory.tv_radius("tv", scale * presets.default_delta("tv")))
+    assert ref == pytest.approx(0.1 * scale)
+    for cell in ("tv_mc", "kl_atomic", "hellinger_binary", "chi2_mc"):
+      low, high = sweep.radii(sweep.Run(0, "equal_tv", scale, cell))
+      assert low == high
+      assert theory.tv_radius(cell.split("_")[0], low) == pytest.approx(ref, rel=1e-6)
+  # TV and chi^2 share f(0.8)'s TV radius (0.1); KL and Hellinger get smaller radii than f(0.8).
+  assert sweep.radii(sweep.Run(0, "equal_tv", 1.0, "tv_mc"))[0] == pytest.approx(0.1)
+  assert sweep.radii(sweep.Run(0, "equal_tv", 1.0, "chi2_mc"))[0] == pytest.approx(0.04)
+  assert sweep.radii(sweep.Run(0, "equal_tv", 1.0, "kl_mc"))[0] == pytest.approx(0.02004, rel=1e-3)
+  assert sweep.radii(sweep.Run(0, "f_eps", 0.5, "kl_mc"))[0] == pytest.approx(
+    0.5 * presets.default_delta("kl")
+  )
+
+
+def test_bad_command_line_is_one_error_line_and_exit_2():
+  p = subprocess.run(
+    [sys.executable, "-m", "gppo_jax.sweep", "--dry-run", "--cells", "kl_atomc"],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+  )
+  assert p.returncode == 2, p.stderr
+  assert p.stderr.strip().splitlines() == [p.stderr.strip()]
+  assert p.stderr.startswith("error: unknown sweep cell 'kl_atomc'") and "kl_atomic" in p.stderr
+
+
+# --- Run folders: fakes -------------------------------------------------------------------------
+
+
+def fake_run(out, run: sweep.Run, curve, masked, *, settings=None, finished=True, seconds=9.0):
+  """A run folder as train and the sweep leave it: record, config, metrics, summary."""
+  settings = settings or sweep.Settings(out=str(out))
+  path = sweep.run_dir(str(out), run)
+  os.makedirs(path, exist_ok=True)
+  record = {
+    "run": {"seed": run.seed, "rule": run.rule, "scale": run.scale, "cell": run.cell},
+    "start_seed": settings.start_seed(run.seed),
+    "train_args": sweep.train_args(run, settings),
+    "attempts": 1,
+    "wall_s": seconds,
+    "exit": 0,
+  }
+  json.dump(record, open(os.path.join(path, sweep.RECORD), "w"))
+  preset = sweep._preset(run.cell)
+  low, high = sweep.radii(run, settings.eps)
+  config = {
+    "seed": run.seed,
+    "iterations": 50 * (len(curve) - 1),
+    "task": {"name": "addsub3"},
+    "loss": {"divergence": preset.loss.divergence, "estimator": preset.loss.estimator},
+    "rollout": {"prompts_per_iter": 64, "group_size": 8},
+    "train": {"epochs": 2, "minibatches": 4},
+    "optim": {"lr": 5e-4},
+    "eval": {"every": 50, "num_problems": 512},
+    "warmstart": {"seed": settings.start_seed(run.seed)},
+  }
+  config["loss"].update(delta_low=low, delta_high=high)
+  json.dump(config, open(os.path.join(path, "config.json"), "w"))
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 0, "eval/accuracy": curve[0]}) + "\n")
+    for step in range(1, config["iterations"] + 1):
+      line = {"step": step, "trust/masked_frac_late": masked}
+      if step % 50 == 0:
+        line["eval/accuracy"] = curve[step // 50]
+      f.write(json.dumps(line) + "\n")
+  if finished:
+    summary = {
+      "preempted": False,
+      "initial_eval": {"eval/accuracy": curve[0]},
+      "final_eval": {"eval/accuracy": curve[-1]},
+      "seconds": seconds,
+    }
+    json.dump(summary, open(os.path.join(path, "summary.json"), "w"))
+  return path
+
+
+def test_a_run_folder_reads_back(tmp_path):
+  run = sweep.Run(1, "f_eps", 1.0, "kl_atomic")
+  path = fake_run(tmp_path, run, [0.3, 0.5, 0.9], 0.06, seconds=12.5)
+  r = sweep.read_run(path)
+  assert (r["cell"], r["divergence"], r["estimator"], r["seed"], r["status"]) == (
+    "kl_atomic",
+    "kl",
+    "atomic",
+    1,
+    "done",
+  )
+  assert (r["initial"], r["final"], r["best"]) == (0.3, 0.9, 0.9)
+  assert r["auc"] == pytest.approx((0.4 + 0.7) / 2)  # trapezoids over 0-50-100
+  assert r["masked_late"] == pytest.approx(0.06) and r["wall_s"] == 12.5
+  assert r["curve_steps"] == [0, 50, 100] and len(r["masked"]) == 100
+  assert r["delta_low"] == pytest.approx(presets.default_delta("kl"))
+  unfinished = sweep.read_run(
+    fake_run(tmp_path, sweep.Run(2, "f_eps", 1.0, "kl_atomic"), [0.3, 0.4], 0.05, finished=False)
+  )
+  assert unfinished["status"] == "unfinished" and math.isnan(unfinished["final"])
+
+
+def _fake_grid(out, seeds=(0, 1, 2, 3)):
+  """12 cells + none: tv_mc varies by seed; every other cell is tv_mc plus a fixed offset, so
+  paired differences are exact and unpaired intervals are wide."""
+  base = {0: 0.40, 1: 0.50, 2: 0.60, 3: 0.70}
+  offsets = {c: 0.01 * i for i, c in enumerate(sweep.GRID)}
+  offsets["kl_atomic"] = 0.05
+  offsets["none"] = -0.2
+  for seed in seeds:
+    for cell in [*sweep.GRID, "none"]:
+      run = (
+        sweep.Run(seed, sweep.INF, 1.0, cell)
+        if cell == "none"
+        else sweep.Run(seed, "f_eps", 1.0, cell)
+      )
+      final = base[seed] + offsets[cell]
+      fake_run(out, run, [0.33, (0.33 + final) / 2, final], 0.0 if cell == "none" else 0.05)
+
+
+def test_outputs_from_run_folders(tmp_path):
+  _fake_grid(tmp_path)
+  paths = sweep.write_outputs(str(tmp_path), {"overrides": [], "start": "per_seed", "eps": 0.2})
+  assert paths["runs"] == paths["finished"] == 13 * 4
+  rows = list(csv.DictReader(open(paths["runs_csv"])))
+  assert len(rows) == 52 and set(sweep.CSV_FIELDS) == set(rows[0])
+  kl = [r for r in rows if r["cell"] == "kl_atomic"]
+  assert sorted(float(r["final"]) for r in kl) == pytest.approx([0.45, 0.55, 0.65, 0.75])
+  assert all(r["status"] == "done" and float(r["wall_s"]) == 9.0 for r in rows)
+  text = open(paths["results_md"]).read()
+  # kl_atomic: mean 60.0, its seeds spread the unpaired interval; the paired one is a point.
+  kl_line = next(x for x in text.splitlines() if x.startswith("| kl_atomic |"))
+  cols = [c.strip() for c in kl_line.strip("|").split("|")]
+  assert cols[2] == "4" and cols[3].startswith("60.0 [") and cols[3] != "60.0 [60.0, 60.0]"
+  assert cols[5] == "+5.0 [+5.0, +5.0] (n=4)" and cols[7] == "5.0%"
+  none_line = next(x for x in text.splitlines() if x.startswith("| none |"))
+  assert "-20.0 [-20.0, -20.0] (n=4)" in none_line and "| inf |" in none_line
+  # The paper's comparisons: KL-Atomic over TV-MC is the ratio of mean finals 0.60 / 0.55.
+  claim = next(x for x in text.splitlines() if x.startswith("| KL-Atomic vs TV-MC"))
+  assert "+49.8% / +13.9%" in claim and "| 4 |" in claim
+  gain = 0.60 / 0.55 - 1
+  assert f"{100 * gain:+.1f}%" in claim and "higher" in claim
+  for name in ("Atomic vs MC, averaged", "Binary vs MC, averaged", "KL vs TV under MC"):
+    assert f"| {name}" in text
+  assert "| atomic vs MC (4 divergences) |" in text and "| kl vs TV (3 estimators) |" in text
+  assert "Wall time: 7 min 48 s summed over runs" in text  # 52 x 9 s
+  for p in paths["plots"]:
+    with open(p, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
+
+
+def test_report_only_rebuilds_outputs(tmp_path):
+  _fake_grid(tmp_path, seeds=(0, 1))
+  assert sweep.main(["--report-only", "--out", str(tmp_path)]) == 0
+  for name in ("runs.csv", "results.md", "plots/f_eps_x1_heatmap.png", "plots/f_eps_x1_curves.png"):
+    assert os.path.exists(tmp_path / name), name
+  assert "| KL-Atomic vs TV-MC" in (tmp_path / "results.md").read_text()
+
+
+# --- Running: a fake launcher -------------------------------------------------------------------
+
+
+class FakeProcess:
+  """Stands in for a train process: finishes after `polls` polls, leaving a finished run folder
+  (or exiting with `code`)."""
+
+  def __init__(self, cmd, out, log, *, polls=2, code=0):
+    self.cmd, self.code, self.polls = cmd, code, polls
+    self.workdir = next(c.split("=", 1)[1] for c in cmd if c.startswith("--workdir="))
+    self.out = out
+
+  def poll(self):
+    self.polls -= 1
+    if self.polls > 0:
+      return None
+    if self.code == 0:
+      rec = json.load(open(os.path.join(self.workdir, sweep.RECORD)))
+      run = sweep.Run(**rec["run"])
+      fake_run(self.out, run, [0.3, 0.5], 0.05, settings=self.settings)
+      # the sweep rewrites its record when the process ends
+    return self.code
+
+  def send_signal(self, sig):
+    self.code = 0
+
+  def wait(self, timeout=None):
+    return self.code
+
+
+def launcher(tmp_path, settings, log, **kw):
+  def launch(cmd, _log):
+    proc = FakeProcess(cmd, str(tmp_path), _log, **kw)
+    proc.settings = settings
+    log.append(cmd)
+    return proc
+
+  return launch
+
+
+def _names(cmds):
+  return [
+    os.path.basename(next(c.split("=", 1)[1] for c in cmd if c.startswith("--workdir=")))
+    for cmd in cmds
+  ]
+
+
+def test_first_run_of_each_start_goes_first_and_finished_runs_are_reused(tmp_path):
+  s = _settings(tmp_path)
+  runs = sweep.expand(["kl_atomic", "tv_mc"], ["f_eps"], [1.0], [0, 1])
+  launched, lines = [], []
+  status = sweep.execute(
+    runs, s, jobs=2, launch=launcher(tmp_path, s, launched), echo=lines.append, poll_s=0
+  )
+  assert set(status.values()) == {"done"}
+  # per-seed starts: the two leaders (one per seed) run together, then the rest.
+  assert _names(launched) == [
+    "kl_atomic__f_eps_x1__s0",
+    "kl_atomic__f_eps_x1__s1",
+    "tv_mc__f_eps_x1__s0",
+    "tv_mc__f_eps_x1__s1",
+  ]
+  assert lines[0].startswith("[1/4] kl_atomic f_eps_x1 s0: done in ") and "final 50.0%" in lines[0]
+  assert "ETA" in lines[0] and "ETA" not in lines[-1]
+  # The same sweep again: everything is reused, nothing launched.
+  again, lines = [], []
+  sweep.execute(runs, s, jobs=2, launch=launcher(tmp_path, s, again), echo=lines.append, poll_s=0)
+  assert again == [] and lines == ["reusing 4 finished runs of 4 under " + str(tmp_path)]
+  # One shared start: its first run goes alone.
+  shared = _settings(tmp_path / "shared", start="shared")
+  order = []
+  sweep.execute(
+    runs, shared, jobs=2, launch=launcher(tmp_path / "shared", shared, order), echo=print, poll_s=0
+  )
+  assert _names(order)[0] == "kl_atomic__f_eps_x1__s0"
+
+
+def test_an_unfinished_run_is_rerun_with_the_same_command(tmp_path):
+  s = _settings(tmp_path)
+  run = sweep.Run(0, "f_eps", 1.0, "kl_atomic")
+  fake_run(tmp_path, run, [0.3, 0.4], 0.05, finished=False, seconds=30.0)  # preempted or killed
+  launched = []
+  sweep.execute([run], s, launch=launcher(tmp_path, s, launched), echo=print, poll_s=0)
+  assert launched == [sweep.command(run, s)]  # same workdir: train resumes from its checkpoint
+  record = json.load(open(os.path.join(sweep.run_dir(str(tmp_path), run), sweep.RECORD)))
+  assert record["attempts"] == 2 and record["wall_s"] >= 30.0 and record["exit"] == 0
+
+
+def test_a_folder_started_with_other_settings_is_refused(tmp_path):
+  run = sweep.Run(0, "f_eps", 1.0, "kl_atomic")
+  fake_run(tmp_path, run, [0.3, 0.4], 0.05, finished=False)
+  other = _settings(tmp_path, overrides=("optim.lr=1e-3",))
+  with pytest.raises(errors.ConfigError, match="other settings"):
+    sweep.execute([run], other, launch=launcher(tmp_path, other, []), echo=print, poll_s=0)
+  sweep.check_sweep_folder(_settings(tmp_path))  # nothing recorded yet: fine
+  json.dump({"overrides": [], "start": "per_seed", "eps": 0.2}, open(tmp_path / "sweep.json", "w"))
+  with pytest.raises(errors.ConfigError, match="other shared settings"):
+    sweep.check_sweep_folder(other)
+
+
+def test_a_user_error_in_a_run_stops_the_sweep(tmp_path):
+  s = _settings(tmp_path)
+  runs = sweep.expand(["kl_atomic", "tv_mc"], ["f_eps"], [1.0], [0])
+  launched = []
+  with pytest.raises(errors.ConfigError, match="kl_atomic__f_eps_x1__s0 stopped on a user error"):
+    sweep.execute(runs, s, launch=launcher(tmp_path, s, launched, code=2), echo=print, poll_s=0)
+  assert len(launched) == 1
+  assert sweep.read_run(sweep.run_dir(str(tmp_path), runs[0]))["status"] == "failed (exit 2)"
+
+
+# --- One real sweep -----------------------------------------------------------------------------
+
+TINY = [
+  "iterations=2",
+  "task.name=add1",
+  "rollout.prompts_per_iter=8",
+  "rollout.group_size=4",
+  "rollout.max_new_tokens=6",
+  "train.minibatches=2",
+  "warmstart.enabled=False",
+  "eval.num_problems=16",
+  "eval.k=0",
+  "checkpoint.every=100",
+]
+
+
+def test_a_real_tiny_sweep_runs_reports_and_resumes(tmp_path):
+  """2 cells x 2 seeds, 2 iterations each, 2 at a time (about 30 s on an idle 2-core machine)."""
+  cmd = [sys.executable, "-m", "gppo_jax.sweep", "--cells", "kl_atomic,none", "--seeds", "0,1"]
+  cmd += ["--jobs", "2", "--out", str(tmp_path)] + [x for o in TINY for x in ("--set", o)]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per run
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert sum(line.startswith("[") for line in p.stdout.splitlines()) == 4  # one line per run
+  rows = list(csv.DictReader(open(tmp_path / "runs.csv")))
+  assert sorted(r["run"] for r in rows) == [
+    "kl_atomic__f_eps_x1__s0",
+    "kl_atomic__f_eps_x1__s1",
+    "none__inf__s0",
+    "none__inf__s1",
+  ]
+  assert all(r["status"] == "done" and r["iterations"] == "2" for r in rows)
+  assert all(0 <= float(r["final"]) <= 1 and float(r["wall_s"]) > 0 for r in rows)
+  assert {r["delta_low"] for r in rows if r["cell"] == "none"} == {"inf"}
+  config = json.load(open(tmp_path / "runs" / "none__inf__s1" / "config.json"))
+  assert config["seed"] == config["warmstart"]["seed"] == 1 and config["task"]["name"] == "add1"
+  text = (tmp_path / "results.md").read_text()
+  assert "| kl_atomic | 0.02314 | 2 |" in text and "Wall time:" in text
+  assert (tmp_path / "plots" / "f_eps_x1_curves.png").exists()
+  # The same command again reuses every run.
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0 and "reusing 4 finished runs of 4" in p.stdout, p.stdout + p.stderr
+  record = json.load(open(tmp_path / "runs" / "none__inf__s1" / sweep.RECORD))
+  assert record["attempts"] == 1
