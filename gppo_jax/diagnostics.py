@@ -1,4 +1,6 @@
-"""Estimator diagnostics: every per-token estimator against the exact divergence (docs/math.md#diagnostics).
+"""Estimator diagnostics: every per-token estimator against the exact divergence.
+
+The figures and what they mean: docs/math.md#diagnostics.
 
 For the response tokens of a rollout batch, with the behaviour policy mu and the current policy pi:
 
@@ -173,8 +175,9 @@ def per_token_estimator_names(divergence: str | divs.Divergence = "kl") -> list[
   for name in ests.names():
     if name in _SPECIAL:
       continue
+    fn = ests.get(name)
     try:
-      jax.eval_shape(lambda a, b, fn=ests.get(name): fn(div, a, b), zero, zero)
+      jax.eval_shape(lambda a, b, fn=fn: fn(div, a, b), zero, zero)
     except TypeError:
       continue
     names.append(name)
@@ -228,8 +231,8 @@ def ratio_histogram(log_ratio: Array, valid: Array) -> Array:
   """float32 [len(LOG_RATIO_EDGES) + 1] counts of the valid tokens' log r per bin."""
   edges = jnp.asarray(LOG_RATIO_EDGES, jnp.float32)
   idx = jnp.searchsorted(edges, log_ratio.ravel(), side="right")
-  return jnp.zeros(len(LOG_RATIO_EDGES) + 1, jnp.float32).at[idx].add(
-    valid.ravel().astype(jnp.float32)
+  return (
+    jnp.zeros(len(LOG_RATIO_EDGES) + 1, jnp.float32).at[idx].add(valid.ravel().astype(jnp.float32))
   )
 
 
@@ -416,8 +419,9 @@ def make_diagnostics_fn(
   """jit(params_behaviour, params_current, batch) -> {"<prefix>/...": metric} for a rollout batch.
 
   batch: the update's rollout batch (`train_step`; a dict or a dataclass with these fields):
-  inputs, targets, positions, attn [N, L], mask [N, R], adv [N]; optional topk_ids [N, R, K] (adds the topk estimator) and logq [N, R]
-  (the sampler's record, compared with the recomputed one as <prefix>/behaviour_logq_gap).
+  inputs, targets, positions, attn [N, L], mask [N, R], adv [N]; optional topk_ids [N, R, K]
+  (adds the topk estimator) and logq [N, R] (the sampler's record, compared with the recomputed
+  one as <prefix>/behaviour_logq_gap).
   mu is recomputed from params_behaviour with the trainer's forward pass, so the exact divergence
   and every estimate see the same behaviour distribution. `divergences`: extra divergences whose
   exact mean is logged (e.g. PAPER_DIVERGENCES). `chunk_size`: response positions per chunk of
