@@ -3,8 +3,9 @@
 `get_config(arg)` in every config file accepts a comma-separated argument string:
   smoke         a seconds-long run of every stage (tests, first try on a new machine)
   task=NAME     another built-in task (see gppo_jax.tasks.TASKS)
-(the real-run configs also take a hardware variant, REAL_RUN_VARIANTS); any other argument is an
-error. Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
+(the real-run configs also take a hardware variant, REAL_RUN_VARIANTS, and `cell=NAME`: a grid
+cell such as kl_atomic or a preset such as dapo, `algorithm`); any other argument is an error.
+Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
 `validate(config)` checks every field's type and range before anything is built.
 """
 
@@ -174,12 +175,20 @@ def base(
   c.train.minibatches = 4
   c.train.microbatches = 1
 
+  # The evaluation protocol, separate from the rollout's (README "Evaluation"): greedy accuracy,
+  # avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50
-  c.eval.num_problems = 512
-  c.eval.k = 4  # samples per problem for avg@k / pass@k
+  c.eval.num_problems = 512  # held-out problems of the built-in task (data files: every row)
+  c.eval.n = ml_collections.config_dict.placeholder(int)  # samples per problem; None = max(k)
+  # pass@k for each k <= n: a list (`--config.eval.k=1,8,16`) or one int (k = 0: none).
+  c.eval.k = ml_collections.FieldReference((4,), field_type=object)
+  # Evaluation seeds (an int or a list); each repeats the sampled evaluation. None = the run's seed.
+  c.eval.seeds = ml_collections.config_dict.placeholder(object)
   c.eval.temperature = 1.0
   c.eval.top_p = 1.0
+  c.eval.max_new_tokens = ml_collections.config_dict.placeholder(int)  # None = the rollout's
+  c.eval.batch_size = 256  # sequences per sampler call
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 20
@@ -203,7 +212,7 @@ def base(
     c.warmstart.cache_dir = ""  # no cache: smoke runs are self-contained
     c.eval.every = 2
     c.eval.num_problems = 32
-    c.eval.k = 2
+    c.eval.k = (2,)
     c.checkpoint.every = 2
   return c
 
@@ -321,6 +330,38 @@ def _registry_name(field: str, lookup, name) -> None:
     raise errors.ConfigError(f"{field}: {e}") from None
 
 
+def _check_eval_lists(k: _Checks) -> None:
+  """eval.k: an int >= 0 or a list of ints >= 1; eval.seeds: None, an int or a list of distinct
+  ints."""
+  from gppo_jax import pass_at_k  # numpy only
+
+  try:
+    pass_at_k.normalize_ks(k.value("eval.k"))
+  except ValueError:
+    k.bad("eval.k", "an integer >= 0 or a list of integers >= 1 (the k of pass@k)")
+  seeds = k.value("eval.seeds")
+  if seeds is None or _is_int(seeds):
+    return
+  if not (
+    isinstance(seeds, (list, tuple))
+    and seeds
+    and all(_is_int(x) for x in seeds)
+    and len(set(seeds)) == len(seeds)
+  ):
+    k.bad("eval.seeds", "None, an integer or a non-empty list of distinct integers")
+
+
+def _check_eval_relations(e: ml_collections.ConfigDict) -> None:
+  from gppo_jax import pass_at_k
+
+  ks = pass_at_k.normalize_ks(e.k)
+  if e.n is not None and ks and max(ks) > e.n:
+    raise errors.ConfigError(
+      f"eval.k={list(ks)} asks for pass@{max(ks)} but eval.n={e.n} samples per problem: set "
+      f"eval.n >= {max(ks)} (or eval.n=None: as many as the largest k) or drop k > {e.n}"
+    )
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises a ConfigError (a ValueError) naming every missing or invalid field of a config.
 
@@ -414,9 +455,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
     k.integer(field, 1)
   k.integer("eval.every", 1)
   k.integer("eval.num_problems", 1)
-  k.integer("eval.k", 0)
+  k.integer("eval.n", 0, none_ok=True)
+  _check_eval_lists(k)
   k.number("eval.temperature", 0, lo_open=True)
   k.number("eval.top_p", 0, 1, lo_open=True)
+  k.integer("eval.max_new_tokens", 1, none_ok=True)
+  k.integer("eval.batch_size", 1)
   k.integer("checkpoint.every", 1)
   k.integer("checkpoint.keep", 1)
   # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
@@ -442,6 +486,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"rollout.prompts_per_iter * rollout.group_size = {n} must be divisible by "
       f"train.minibatches * train.microbatches = {u.minibatches * u.microbatches}"
     )
+  _check_eval_relations(c.eval)
   if c.loss.estimator == "topk" and not r.num_topk:
     raise errors.ConfigError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
   if c.loss.estimator == "exact":
@@ -459,7 +504,34 @@ def validate(c: ml_collections.ConfigDict) -> None:
     )
 
 
-# Hardware variants of the real-run configs (configs/qwen25_math_7b.py, configs/qwen3_8b.py).
+# The grid's 12 cells by config-file name (configs/{divergence}_{estimator}.py).
+GRID_CELLS: dict[str, tuple[str, str]] = {
+  f"{d}_{e}": (d, e)
+  for d in ("tv", "kl", "hellinger", "chi2")
+  for e in ("mc", "binary", "atomic")
+}
+
+
+def algorithm(name: str) -> presets.Preset:
+  """A grid cell (`kl_atomic`, `tv_mc`, ...) or a named preset (`ppo`, `dapo`, `dppo`, ...): what
+  the real-run configs' `cell=NAME` argument picks. UnknownNameError with a did-you-mean."""
+  if name in GRID_CELLS:
+    return presets.cell(*GRID_CELLS[name])
+  if name in presets.names():
+    return presets.get(name)
+  choices = [*GRID_CELLS, *presets.names()]
+  close = difflib.get_close_matches(name, choices, n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  raise errors.UnknownNameError(
+    f"unknown cell {name!r} in config argument cell=NAME{hint}; valid: {', '.join(choices)}",
+    kind="cell",
+    name=name,
+    choices=choices,
+  )
+
+
+# Hardware variants of the real-run configs (configs/qwen25_math_7b.py, configs/qwen3_8b.py,
+# configs/qwen25_coder_7b.py).
 REAL_RUN_VARIANTS = {
   # v5p-64 = 32 chips (95 GiB HBM each): FSDP over all chips; ~8B fp32 master weights + Adam are
   # ~3 GiB per chip, leaving room for 1024 rollouts of several thousand tokens.
@@ -467,31 +539,57 @@ REAL_RUN_VARIANTS = {
   # One host with 8 GPUs (H100 80 GiB / H200 141 GiB): FSDP over the 8 GPUs.
   "gpu8": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=64, micro=4),
 }
+REAL_RUN_ARGS: dict[str, bool] = {**dict.fromkeys(REAL_RUN_VARIANTS, False), "cell": True}
+
+# The default recipe's data (README "Data files"), where `python -m gppo_jax.prepare_data NAME
+# --out /data/{train,eval}/NAME.jsonl` writes it. The paper's own benchmark list is not known to us.
+DATA_ROOT = "/data"
+REAL_RUN_DATA = {
+  "math": dict(
+    train="dapo_math_17k",
+    eval=("math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench"),
+  ),
+  "code": dict(train="taco", eval=("livecodebench", "humaneval_plus")),
+}
+
+
+def eval_path_spec(names, root: str = DATA_ROOT) -> str:
+  """`data.eval_path` for prepared benchmarks: 'math500=/data/eval/math500.jsonl,...'."""
+  return ",".join(f"{n}={root}/eval/{n}.jsonl" for n in names)
 
 
 def real_run(
-  arg: str | None, *, preset: str, path: str, max_prompt_tokens: int, max_new_tokens: int
+  arg: str | None,
+  *,
+  preset: str,
+  path: str,
+  max_prompt_tokens: int,
+  max_new_tokens: int,
+  kind: str = "math",
 ) -> ml_collections.ConfigDict:
-  """KL-Atomic GPPO on a local Hugging Face checkpoint with math data, for a TPU v5p-64 slice or
-  an 8-GPU host: `arg` picks the variant (v5p64 | gpu8; default v5p64) plus `smoke` etc."""
-  variants = dict.fromkeys(REAL_RUN_VARIANTS, False)
-  args = parse_arg(arg, {**BASE_ARGS, **variants})
+  """GPPO on a local Hugging Face checkpoint with real data (`kind` math or code), for a TPU
+  v5p-64 slice or an 8-GPU host. `arg`: the hardware variant (v5p64 | gpu8; default v5p64), the
+  algorithm `cell=NAME` (a grid cell or a preset, default kl_atomic: `algorithm`), and `smoke`."""
+  args = parse_arg(arg, {**BASE_ARGS, **REAL_RUN_ARGS})
   names = [k for k in args if k in REAL_RUN_VARIANTS] or ["v5p64"]
   if len(names) > 1:
     raise errors.ConfigError(
       f"pick one hardware variant, got {names} in {arg!r}; valid: {', '.join(REAL_RUN_VARIANTS)}"
     )
+  if kind not in REAL_RUN_DATA:
+    raise errors.ConfigError(f"real_run kind={kind!r}; valid: {', '.join(REAL_RUN_DATA)}")
   v = REAL_RUN_VARIANTS[names[0]]
-  c = cell("kl", "atomic", arg, extra_args=variants)
+  c = use_settings(base(arg, extra_args=REAL_RUN_ARGS), algorithm(args.get("cell", "kl_atomic")))
   c.model.preset = preset  # same shapes; used by gppo_jax.plan when model.path is absent
   c.model.path = path
   c.model.dtype = "bfloat16"  # compute; master weights and Adam moments stay float32
   c.model.param_dtype = "float32"
   c.model.export_hf = True
   c.warmstart.enabled = False
-  c.data.train_path = "/data/math/train.jsonl"
-  c.data.eval_path = "/data/math/test.jsonl"
-  c.data.kind = "math"
+  data = REAL_RUN_DATA[kind]
+  c.data.train_path = f"{DATA_ROOT}/train/{data['train']}.jsonl"
+  c.data.eval_path = eval_path_spec(data["eval"])
+  c.data.kind = kind
   c.data.max_prompt_tokens = max_prompt_tokens
   c.data.verifier_workers = 16
   c.rollout.prompts_per_iter = v["prompts"]
@@ -506,9 +604,15 @@ def real_run(
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.iterations = 500
+  # Periodic evaluation: avg@4 and pass@4 per benchmark at T 0.6, top-p 0.95 (about 15% of the
+  # run's generation for the math sets). The paper-grade protocol (n = 16, three seeds) is the
+  # evaluate command's job: README "Evaluation".
   c.eval.every = 50
-  c.eval.num_problems = 500
-  c.eval.k = 4
+  c.eval.n = 4
+  c.eval.k = (1, 4)
+  c.eval.temperature = 0.6
+  c.eval.top_p = 0.95
+  c.eval.batch_size = v["prompts"] * c.rollout.group_size  # what a rollout samples at once
   c.checkpoint.every = 25
   c.checkpoint.keep = 2
   for axis, size in v["mesh"].items():
@@ -516,5 +620,7 @@ def real_run(
   if "smoke" in args:  # keep the real model, shrink everything else
     c.rollout.max_new_tokens = 64
     c.eval.num_problems = 16
+    c.eval.n = 2
+    c.eval.k = (1, 2)
     c.train.microbatches = 1
   return c

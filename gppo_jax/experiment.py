@@ -203,21 +203,22 @@ def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
   )
 
 
-def evaluate(config, graphdef, params, env, *, max_new_tokens: int, sample_fn) -> dict[str, float]:
-  """The config's evaluation (config.eval) of `params` on env's held-out set, with the run's fixed
-  evaluation key: the trainer's periodic evals and the evaluate command score alike."""
-  e = config.eval
-  return policy_eval.evaluate_policy(
-    graphdef,
-    params,
-    env,
-    jax.random.fold_in(jax.random.PRNGKey(config.seed), 10**9),
-    k=e.k,
-    temperature=e.temperature,
-    top_p=e.top_p,
-    max_new_tokens=max_new_tokens,
-    sample_fn=sample_fn,
+def evaluate(
+  config, graphdef, params, env, *, max_new_tokens: int, sample_fn, report: bool = False
+):
+  """The config's evaluation protocol (config.eval: `policy_eval.EvalSettings.from_config`) of
+  `params` on env's held-out set: the trainer's periodic evals and the evaluate command score
+  alike. max_new_tokens: the rollout's response length (eval.max_new_tokens=None uses it).
+
+  Returns the flat metrics the trainer logs, or with `report=True` the `pass_at_k.EvalReport`
+  (None without eval prompts)."""
+  settings = policy_eval.EvalSettings.from_config(
+    config.eval, max_new_tokens=max_new_tokens, run_seed=config.seed
   )
+  result = policy_eval.evaluate_benchmarks(graphdef, params, env, settings, sample_fn=sample_fn)
+  if report:
+    return result
+  return {} if result is None else result.metrics()
 
 
 # --- State --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tests for gppo_jax.pass_at_k against brute-force enumeration and exact combinatorics."""
 
+import dataclasses
 import itertools
 import math
 from fractions import Fraction
@@ -9,11 +10,15 @@ import pytest
 
 from gppo_jax.pass_at_k import (
   avg_at_n,
-  benchmark_report,
+  estimate,
+  make_report,
   mean_pass_at_k,
+  normalize_ks,
   over_seeds,
   pass_at_k,
   problem_pass_at_k,
+  score_benchmark,
+  to_markdown,
 )
 
 
@@ -58,22 +63,80 @@ def test_table_helpers():
   assert avg_at_n(ragged) == pytest.approx((1 + 2 / 3) / 2)
 
 
-def test_over_seeds_and_report():
+def test_over_seeds():
   s = over_seeds([0.2, 0.4, 0.6])
   assert (s.mean, s.min, s.max, s.num_seeds) == (pytest.approx(0.4), 0.2, 0.6, 3)
   assert s.std == pytest.approx(0.2)  # sample std (ddof=1)
   assert over_seeds([0.5]).std == 0.0
   with pytest.raises(ValueError):
     over_seeds([])
-  aime = [  # [seed][problem][sample]
-    [[1, 1, 0, 0], [0, 0, 0, 0]],
-    [[1, 0, 0, 0], [1, 0, 0, 0]],
-  ]
-  report = benchmark_report({"aime24": aime}, ks=(1, 2, 8))
-  assert report["aime24/avg@4/mean"] == pytest.approx((0.25 + 0.25) / 2)
-  assert report["aime24/avg@4/std"] == pytest.approx(0.0)
+
+
+def test_normalize_ks_keeps_old_single_ints():
+  assert normalize_ks(4) == (4,) and normalize_ks(0) == ()  # 0: the old "no sampled eval"
+  assert normalize_ks([16, 1, 8, 8]) == (1, 8, 16) and normalize_ks(()) == ()
+  for bad in (-1, [0, 2], [1.5], "4", True, [True]):
+    with pytest.raises(ValueError):
+      normalize_ks(bad)
+
+
+def test_estimate_takes_the_standard_error_over_problems_after_averaging_seeds():
+  # [seeds, problems]: problem means 0.5, 1.0, 0.0, 0.5; seed means 0.5 and 0.5.
+  v = np.array([[1.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 1.0]])
+  e = estimate(v)
+  per_problem = np.array([0.5, 1.0, 0.0, 0.5])
+  assert e.mean == pytest.approx(0.5)
+  assert e.se == pytest.approx(np.std(per_problem, ddof=1) / 2)
+  assert e.per_seed == (0.5, 0.5) and e.seed_std == 0.0
+  one = estimate(np.array([[1.0]]))
+  assert one.mean == 1.0 and np.isnan(one.se)  # one problem: no standard error
+
+
+def test_macro_average_is_the_mean_of_benchmarks_not_of_problems():
+  big = score_benchmark("math500", "math", np.ones(4), np.ones(4, bool), None, ())
+  small = score_benchmark("aime24", "math", np.zeros(2), np.ones(2, bool), None, ())
+  pooled = score_benchmark("all", "math", np.r_[np.ones(4), np.zeros(2)], np.ones(6, bool), None, ())
+  report = make_report(pooled, [big, small])
+  (macro,) = report.macro
+  assert macro.accuracy.mean == 0.5 and pooled.accuracy.mean == pytest.approx(4 / 6)
+  assert macro.accuracy.se == pytest.approx(np.hypot(big.accuracy.se, small.accuracy.se) / 2)
+  assert macro.members == ("math500", "aime24") and macro.num_problems == 6
+  m = report.metrics()
+  assert m["eval/accuracy"] == pytest.approx(4 / 6)  # eval/accuracy stays pooled
+  assert m["eval/macro_math/accuracy"] == 0.5 and m["eval/aime24/accuracy"] == 0.0
+  with pytest.raises(ValueError, match="reserved"):
+    make_report(pooled, [dataclasses.replace(big, name="macro_x")])
+
+
+def test_benchmark_report_per_seed_and_k():
+  aime = np.array(  # [seed][problem][sample]
+    [
+      [[1, 1, 0, 0], [0, 0, 0, 0]],
+      [[1, 0, 0, 0], [1, 0, 0, 0]],
+    ],
+    bool,
+  )
+  greedy, valid = np.array([1.0, 0.0]), np.ones(2, bool)
+  r = score_benchmark("aime24", "math", greedy, valid, aime, (1, 2))
+  assert r.n == 4 and r.num_seeds == 2
+  assert r.avg.mean == pytest.approx(0.25) and r.avg.seed_std == pytest.approx(0.0)
   seed_p2 = [(5 / 6 + 0) / 2, (0.5 + 0.5) / 2]
-  assert report["aime24/pass@2/mean"] == pytest.approx(np.mean(seed_p2))
-  assert report["aime24/pass@2/std"] == pytest.approx(np.std(seed_p2, ddof=1))
-  assert "aime24/pass@8/mean" not in report  # k above n is skipped
-  assert report["aime24/num_seeds"] == 2
+  assert r.pass_at[2].per_seed == pytest.approx(tuple(seed_p2))
+  assert r.pass_at[2].mean == pytest.approx(np.mean(seed_p2))
+  assert r.pass_at[2].seed_std == pytest.approx(np.std(seed_p2, ddof=1))
+  problem_p2 = [(5 / 6 + 0.5) / 2, (0 + 0.5) / 2]
+  assert r.pass_at[2].se == pytest.approx(np.std(problem_p2, ddof=1) / np.sqrt(2))
+  assert r.pass_at[1].mean == pytest.approx(r.avg.mean)  # pass@1 is avg@n
+  with pytest.raises(ValueError, match="k <= n = 4"):
+    score_benchmark("aime24", "math", greedy, valid, aime, (8,))
+  # An unjudgeable greedy response leaves its problem out of the accuracy.
+  assert score_benchmark("x", "", greedy, np.array([True, False]), None, ()).accuracy.mean == 1.0
+  m = make_report(r, [r]).metrics()
+  assert {"eval/avg@4", "eval/avg@4_se", "eval/avg@4_seed_std", "eval/pass@2_se"} <= set(m)
+  assert "eval/aime24/avg@4" not in m  # one benchmark: the pooled keys only (as before)
+  assert m["eval/macro_math/pass@2"] == pytest.approx(r.pass_at[2].mean)
+  text = to_markdown(make_report(r, [r]))
+  assert "| aime24 | math | 2 | 50.0 ± 50.0 | 25.0 ± 12.5 (sd 0.0) |" in text
+  assert "**math (macro, 1 benchmarks)**" in text and text.count("\n") == 5
+  d = make_report(r, [r]).as_dict()
+  assert d["benchmarks"][0]["figures"]["pass@2"]["per_seed"] == pytest.approx(seed_p2)
