@@ -26,7 +26,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from gppo_jax import architectures, config_lib, plan, sharding  # noqa: E402
+from gppo_jax import architectures, config_lib, plan, sharding, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +53,8 @@ def main() -> None:
   config.rollout.group_size = 8
   config.train.minibatches = 2
   update_fn, state, spec = plan.update_setup(config, cfg, a.prompt_len, a.resp_len)
-  batch = plan.abstract_batch(a.sequences, a.prompt_len, a.resp_len, spec, 0)
-  bigger = plan.abstract_batch(2 * a.sequences, a.prompt_len, a.resp_len, spec, 0)
+  batch = train_step.abstract_batch(a.sequences, a.prompt_len, a.resp_len, spec, 0)
+  bigger = train_step.abstract_batch(2 * a.sequences, a.prompt_len, a.resp_len, spec, 0)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
 
   rows = []

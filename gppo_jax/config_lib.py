@@ -132,6 +132,9 @@ def base(
   c.rollout.top_k = 0
   c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
   c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
+  # DAPO's dynamic sampling (with advantage.filter_zero_signal): up to this many extra generation
+  # rounds per iteration to fill the batch with groups that carry signal (0 = only mask them).
+  c.rollout.refill_rounds = 0
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
   # LossConfig.from_config; config files write a preset's with use_settings).
@@ -154,6 +157,7 @@ def base(
   c.reward = ml_collections.ConfigDict()
   c.reward.overlong_buffer = 0
   c.reward.format_coef = 0.0
+  c.reward.overlong_filter = False  # DAPO: truncated responses are left out of the loss
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | batch_std
@@ -422,6 +426,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   k.integer("rollout.top_k", 0)
   k.integer("rollout.num_topk", 0)
   k.flag("rollout.recompute_logprobs")
+  k.integer("rollout.refill_rounds", 0)
   # Loss.
   for field in ("loss.delta_low", "loss.delta_high"):
     k.number(field, 0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
@@ -442,6 +447,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   k.number("advantage.eps", 0, lo_open=True, note=" (all-equal groups divide by std + eps)")
   k.choice("advantage.ddof", (0, 1))
   k.flag("advantage.filter_zero_signal")
+  k.flag("reward.overlong_filter")
   # Optimizer.
   k.number("optim.lr", 0, lo_open=True)
   k.choice("optim.schedule", ("constant", "cosine", "linear"))
@@ -485,6 +491,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise errors.ConfigError(
       f"rollout.prompts_per_iter * rollout.group_size = {n} must be divisible by "
       f"train.minibatches * train.microbatches = {u.minibatches * u.microbatches}"
+    )
+  if r.refill_rounds and not c.advantage.filter_zero_signal:
+    raise errors.ConfigError(
+      f"rollout.refill_rounds={r.refill_rounds} refills the groups advantage.filter_zero_signal "
+      "drops: set advantage.filter_zero_signal=True (DAPO's dynamic sampling) or refill_rounds=0"
     )
   _check_eval_relations(c.eval)
   if c.loss.estimator == "topk" and not r.num_topk:

@@ -248,13 +248,25 @@ def abstract_state(params, tx, mesh) -> Any:
 
 
 def quiet_libraries(flag_values) -> None:
-  """Orbax and JAX log every checkpoint step at INFO: show WARNING and up from them, INFO from us.
+  """Console logging of a command: gppo_jax's own messages as plain lines on stderr (process 0;
+  INFO, or DEBUG under --verbosity >= 1), other libraries' (Orbax and JAX log every checkpoint
+  step at INFO) at WARNING and up unless --verbosity is given.
 
   absl rewrites an unset --verbosity to INFO once flags are parsed, so `present` (given on the
   command line), not `using_default_value`, says whether the user asked for a level.
   """
   from absl import logging as absl_logging
 
-  if not flag_values["verbosity"].present:
+  verbosity = flag_values["verbosity"]
+  if not verbosity.present:
     absl_logging.set_verbosity(absl_logging.WARNING)
-    log.setLevel(logging.INFO)  # the resolved config, the policy summary
+  if not any(getattr(h, "_gppo_console", False) for h in log.handlers):
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler._gppo_console = True
+    log.addHandler(handler)
+  log.propagate = False  # not a second time through absl's handler
+  if jax.process_index() != 0:
+    log.setLevel(logging.WARNING)
+  else:
+    log.setLevel(logging.DEBUG if verbosity.present and verbosity.value >= 1 else logging.INFO)

@@ -7,8 +7,10 @@ half-written last line): each iteration appears once in metrics.jsonl and in Ten
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -108,14 +110,20 @@ class MetricWriter:
     self._bar.set_postfix(shown, refresh=False)
     self._bar.update(n)
 
-  def print(self, text: str) -> None:
-    """A line above the progress bar (or on stderr without one)."""
-    if not self.enabled:
-      return
-    if self._bar is not None:
-      self._bar.write(text)
-    else:
-      print(text, file=sys.stderr, flush=True)
+  def redirect_logging(self, *loggers: logging.Logger) -> contextlib.AbstractContextManager:
+    """A context in which the console handlers of `loggers` print above the progress bar
+    (tqdm's logging redirection), so log lines never tear the bar."""
+    if self._bar is None:
+      return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=list(loggers), tqdm_class=type(self._bar))
+
+  def __enter__(self) -> MetricWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def flush(self) -> None:
     if self._jsonl is not None:

@@ -125,22 +125,6 @@ def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, 
   return train_step.make_update_fn(graphdef, tx, spec), state, spec
 
 
-def abstract_batch(n: int, prompt_len: int, resp_len: int, spec, num_topk: int) -> dict:
-  """ShapeDtypeStructs of the rollout batch train.py feeds to the update."""
-  seq = prompt_len + resp_len - 1
-  s = jax.ShapeDtypeStruct
-  batch = {k: s((n, seq), jnp.int32) for k in ("inputs", "targets", "positions")}
-  batch["attn"] = s((n, seq), jnp.bool_)
-  batch.update(logq=s((n, resp_len), jnp.float32), mask=s((n, resp_len), jnp.bool_))
-  batch["adv"] = s((n,), jnp.float32)
-  if spec.use_ref_logp:
-    batch["ref_logp"] = s((n, resp_len), jnp.float32)
-  if spec.use_topk:
-    batch["topk_logq"] = s((n, resp_len, num_topk), jnp.float32)
-    batch["topk_ids"] = s((n, resp_len, num_topk), jnp.int32)
-  return batch
-
-
 # --- Accounting --------------------------------------------------------------------------------
 
 
@@ -214,7 +198,7 @@ def plan(
   cfg, _ = model_config(config)
   n, p, r = rollout_shape(config)
   update_fn, state, spec = update_setup(config, cfg, p, r)
-  batch = abstract_batch(n, p, r, spec, config.rollout.num_topk)
+  batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)
   sh = sharding.state_shardings(state, mesh)
   params = per_device_bytes(state.params, sh.params)
   optimizer = per_device_bytes(state.opt_state, sh.opt_state)

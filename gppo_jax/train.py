@@ -16,11 +16,13 @@ saved; one trainer at a time holds a workdir (experiment.WorkdirLock).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,14 +32,12 @@ import numpy as np
 from flax import nnx
 
 from gppo_jax import (
-  advantages,
   checkpointing,
   config_lib,
-  envs,
   experiment,
   interrupts,
   metric_writers,
-  policy_eval,
+  rollout,
   sampler,
   sharding,
   train_step,
@@ -46,63 +46,7 @@ from gppo_jax import (
 log = logging.getLogger("gppo_jax")
 
 
-# --- One iteration's pieces ---------------------------------------------------------------------
-
-
-def collect_rollout(
-  config, env, sample_fn, params, key, sampling, *, prompt_len, pad_id, use_topk=False
-):
-  """Prompts -> responses -> rewards -> advantages: the host-side rollout batch and its metrics.
-
-  Returns (batch, metrics): batch holds the arrays `train_step.make_update_fn` documents (numpy,
-  every row of the global batch), metrics the reward, length and advantage figures."""
-  r = config.rollout
-  resp_len = sampling.max_new_tokens
-  prompts = env.train_prompts(r.prompts_per_iter)
-  rep = [p for p in prompts for _ in range(r.group_size)]
-  p_tok, p_mask = sampler.left_pad([p.token_ids for p in rep], pad_id=pad_id, length=prompt_len)
-  out = sample_fn(params, p_tok, p_mask, key, sampling)
-  texts = policy_eval.decode_responses(env.tokenizer, out.tokens, out.mask, sampling.stop_ids)
-  correct, valid, reward_metrics = env.score(texts, rep)
-  rewards, shaping_metrics = envs.shape_rewards(
-    correct,
-    texts,
-    out.lengths,
-    max_len=resp_len,
-    overlong_buffer=config.reward.overlong_buffer,
-    format_coef=config.reward.format_coef,
-  )
-  reward_metrics.update(shaping_metrics)
-  rewards_g = rewards.reshape(r.prompts_per_iter, r.group_size)
-  valid_g = valid.reshape(rewards_g.shape)
-  # Invalid scores (infrastructure errors) take their group's mean: zero advantage, masked.
-  group_mean = np.nanmean(np.where(valid_g, rewards_g, np.nan), axis=1, keepdims=True)
-  rewards_g = np.where(valid_g, rewards_g, np.nan_to_num(group_mean))
-  adv_kwargs = {}
-  if config.advantage.name in ("grpo", "batch_std"):
-    adv_kwargs = dict(eps=config.advantage.eps, ddof=config.advantage.ddof)
-  adv, adv_metrics = advantages.compute(config.advantage.name, rewards_g, **adv_kwargs)
-  seq_keep = valid_g.copy()
-  if config.advantage.filter_zero_signal:
-    seq_keep &= np.asarray(advantages.signal_mask(rewards_g))[:, None]
-  batch = train_step.build_sequences(p_tok, p_mask, out.tokens, out.mask)
-  batch.update(
-    logq=out.logprobs,
-    mask=out.mask & seq_keep.reshape(-1)[:, None],
-    adv=np.asarray(adv, np.float32).reshape(-1),
-  )
-  if use_topk:
-    batch.update(topk_logq=out.topk_logprobs, topk_ids=out.topk_ids)
-  metrics = {
-    "reward/mean": float(np.mean(rewards)),
-    "reward/correct_mean": float(np.mean(correct)),
-    "reward/std": float(np.std(rewards)),
-    "response/length_mean": float(np.mean(out.lengths)),
-    "response/truncated_frac": float(np.mean(out.lengths >= resp_len)),
-    **{k: float(v) for k, v in adv_metrics.items()},
-    **reward_metrics,
-  }
-  return batch, metrics
+# --- Checks -------------------------------------------------------------------------------------
 
 
 @jax.jit
@@ -161,227 +105,285 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       return {"workdir": log_dir, "preempted": True, "iterations_done": None}
 
 
-def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
-  t_start = time.time()
-  is_main = jax.process_index() == 0
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  log.info("resolved config:\n%s", config)
-  writer = None
+@dataclasses.dataclass
+class Run:
+  """Everything one training run holds fixed: the policy's structure, the environment, the
+  compiled sampler, update and log-prob passes, the checkpoint manager. Built by `_set_up`."""
 
-  def say(text: str) -> None:
-    log.debug(text)
-    if writer is not None:
-      writer.print(text)
-    elif is_main:
-      print(text, file=sys.stderr, flush=True)
+  config: ml_collections.ConfigDict
+  workdir: str
+  mngr: Any  # orbax CheckpointManager
+  mesh: Any
+  graphdef: Any
+  env: Any
+  sampling: sampler.SamplingParams
+  spec: train_step.UpdateSpec
+  sample_fn: sampler.MeshSampler  # rollouts and evaluations
+  update: Callable  # sharded jit of train_step.make_update_fn
+  logprobs: Callable  # sharded jit of train_step.make_logprob_fn
+  state_sh: Any  # the TrainState's shardings
+  ref_params: Any  # the frozen initial policy (KL penalty), or None
+  rows: slice  # this host's rows of the global batch
+  newest: int | None = None  # the newest checkpoint on disk
+  history: dict = dataclasses.field(default_factory=dict)  # evaluations, kept in checkpoints
 
-  # --- Checkpoints first: a resume skips the warm start ------------------------------------------
+  def key(self, iteration: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.PRNGKey(self.config.seed), iteration)
+
+  def evaluate(self, params) -> dict[str, float]:
+    return experiment.evaluate(
+      self.config,
+      self.graphdef,
+      params,
+      self.env,
+      max_new_tokens=self.sampling.max_new_tokens,
+      sample_fn=self.sample_fn,
+    )
+
+  def to_devices(self, batch: train_step.Batch) -> train_step.Batch:
+    return sharding.shard_batch(jax.tree.map(lambda x: x[self.rows], batch), self.mesh)
+
+  def save(self, iteration: int, state, *, wait: bool = False) -> None:
+    meta = {
+      "iteration": iteration,
+      "env": self.env.state(),
+      "history": self.history,
+      "config": self.config.to_json_best_effort(),
+    }
+    checkpointing.save(self.mngr, iteration, state, meta, wait=wait)
+    self.newest = iteration
+
+
+def _set_up(config, workdir: str, checkpoint_dir: str, stack: contextlib.ExitStack) -> tuple[Run, Any]:
+  """The run and its initial state: checkpoints first (a resume skips the warm start), then the
+  policy, the environment, the optimizer and the compiled functions, on the configured mesh."""
   mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
   stack.callback(mngr.close)  # every exit path lets pending writes complete
   resuming = mngr.latest_step() is not None
-
-  # --- Policy, environment, optimizer -----------------------------------------------------------
   mesh = sharding.make_mesh(config.mesh)
   # The KL penalty's reference is the initial policy, so a resume rebuilds it (deterministically).
   need_init = not resuming or config.loss.kl_coef > 0
   graphdef, init_params, model_cfg, env, warm_info = experiment.build_policy(
-    config, say, mesh=mesh, warm_start=need_init
+    config, log.info, mesh=mesh, warm_start=need_init
   )
   stack.callback(env.close)
-  stop_ids = tuple(model_cfg.eos_token_ids)
-  pad_id = model_cfg.pad_token_id
   tx = train_step.optimizer_from_config(config)
   state_sh, state = experiment.init_state(init_params, tx, mesh)
-  sampling = experiment.sampling_params(config, env, stop_ids=stop_ids, pad_id=pad_id)
-  resp_len = sampling.max_new_tokens
-  prompt_len = env.max_prompt_len
-  spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
-  update_fn = train_step.make_update_fn(graphdef, tx, spec)
-  logprob_fn = train_step.make_logprob_fn(
-    graphdef, prompt_len=prompt_len, temperature=config.rollout.temperature
+  sampling = experiment.sampling_params(
+    config, env, stop_ids=tuple(model_cfg.eos_token_ids), pad_id=model_cfg.pad_token_id
   )
-  # A copy: the update donates the state's buffers.
-  ref_params = jax.tree.map(jnp.copy, state.params) if config.loss.kl_coef > 0 else None
+  spec = train_step.update_spec_from_config(config, env.max_prompt_len, sampling.max_new_tokens)
+  # The batch's structure (which optional fields it carries) fixes the compiled functions.
   r = config.rollout
-  mesh_sampler = sampler.MeshSampler(graphdef, state_sh.params)  # rollouts and evals
-  rows = sharding.process_rows(r.prompts_per_iter * r.group_size, mesh)  # this host's rows
-
-  def to_devices(batch):
-    return sharding.shard_batch(jax.tree.map(lambda x: x[rows], batch), mesh)
-
-  update = sharded_logprobs = None  # compiled on the first batch, whose shapes they need
-  base_key = jax.random.PRNGKey(config.seed)
-
-  def run_eval(params) -> dict[str, float]:
-    return experiment.evaluate(
-      config, graphdef, params, env, max_new_tokens=resp_len, sample_fn=mesh_sampler
-    )
-
-  # --- Resume, or evaluate the initial policy ---------------------------------------------------
-  restored_step, restored, meta = checkpointing.restore_latest(
-    mngr, sharding.abstract_like(state, state_sh)
+  batch = train_step.abstract_batch(
+    r.prompts_per_iter * r.group_size, spec.prompt_len, sampling.max_new_tokens, spec,
+    sampling.num_topk,
+  )  # fmt: skip
+  batch_sh = sharding.batch_shardings(batch, mesh)
+  update = sharding.jit_update(train_step.make_update_fn(graphdef, tx, spec), state_sh, batch_sh)
+  logprob_fn = train_step.make_logprob_fn(
+    graphdef, prompt_len=spec.prompt_len, temperature=spec.temperature
   )
-  history: dict[str, Any] = {"warm_start": warm_info}
-  start_iter = 0
-  if restored is not None:
-    state = restored
-    start_iter = int(meta["iteration"])
-    env.restore(meta["env"])
-    history = meta.get("history", history)
-    say(f"resumed from {mngr.directory} at iteration {start_iter}/{config.iterations}")
-  else:
-    say("evaluating the initial policy ...")
-    history["initial_eval"] = run_eval(state.params)
-    say("initial policy: " + _fmt(history["initial_eval"]))
-
-  # Logs past the restored step belong to iterations that are about to be replayed.
-  writer = metric_writers.MetricWriter(
-    workdir,
-    total_steps=config.iterations,
-    initial_step=start_iter,
-    resume_step=start_iter if restored is not None else -1,
+  run = Run(
+    config=config,
+    workdir=workdir,
+    mngr=mngr,
+    mesh=mesh,
+    graphdef=graphdef,
+    env=env,
+    sampling=sampling,
+    spec=spec,
+    sample_fn=sampler.MeshSampler(graphdef, state_sh.params),
+    update=update,
+    logprobs=sharding.jit_logprobs(logprob_fn, state_sh.params, batch_sh),
+    state_sh=state_sh,
+    # A copy: the update donates the state's buffers.
+    ref_params=jax.tree.map(jnp.copy, state.params) if spec.use_ref_logp else None,
+    rows=sharding.process_rows(r.prompts_per_iter * r.group_size, mesh),
+    history={"warm_start": warm_info},
   )
-  stack.callback(writer.close)
-  if restored is None:
-    writer.write(0, history["initial_eval"])
-  newest = restored_step  # the newest checkpoint on disk
+  return run, state
 
-  def save(iteration: int, wait: bool = False) -> None:
-    nonlocal newest
-    meta = {
-      "iteration": iteration,
-      "env": env.state(),
-      "history": history,
-      "config": config.to_json_best_effort(),
+
+def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
+  """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
+  Returns the new state and the iteration's metrics (time/* for each phase)."""
+  t0 = time.perf_counter()
+  key = run.key(iteration)
+  batch, metrics = rollout.collect(
+    run.config,
+    run.env,
+    run.sample_fn,
+    state.params,
+    jax.random.fold_in(key, 0),
+    run.sampling,
+    prompt_len=run.spec.prompt_len,
+    pad_id=run.sampling.pad_id,
+    use_topk=run.spec.use_topk,
+  )
+  t1 = time.perf_counter()
+  if run.config.rollout.recompute_logprobs or run.ref_params is not None:
+    if run.ref_params is not None:
+      batch = batch.replace(ref_logp=np.zeros_like(batch.logq))  # the structure compiled for
+    on_devices = run.to_devices(batch)
+    if run.config.rollout.recompute_logprobs:
+      batch = batch.replace(logq=sharding.to_host(run.logprobs(state.params, on_devices)))
+    if run.ref_params is not None:
+      batch = batch.replace(ref_logp=sharding.to_host(run.logprobs(run.ref_params, on_devices)))
+  t2 = time.perf_counter()
+  state, upd = run.update(state, run.to_devices(batch), jax.random.fold_in(key, 1))
+  metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))
+  t3 = time.perf_counter()
+  check_finite(state, metrics, batch.adv, iteration=iteration + 1, newest=run.newest)
+  metrics.update(
+    {
+      "optim/steps": float(state.step),
+      "time/rollout_s": t1 - t0,
+      "time/logprobs_s": t2 - t1,
+      "time/update_s": t3 - t2,
     }
-    checkpointing.save(mngr, iteration, state, meta, wait=wait)
-    newest = iteration
+  )
+  return state, metrics
+
+
+def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
+  t_start = time.time()
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  log.debug("resolved config:\n%s", config)
+  run, state = _set_up(config, workdir, checkpoint_dir, stack)
+  restored_step, restored, meta = checkpointing.restore_latest(
+    run.mngr, sharding.abstract_like(state, run.state_sh)
+  )
+  start = 0
+  if restored is not None:
+    state, start, run.newest = restored, int(meta["iteration"]), restored_step
+    run.env.restore(meta["env"])
+    run.history = meta.get("history", run.history)
+    log.info("resumed from %s at iteration %d/%d", run.mngr.directory, start, config.iterations)
+  else:
+    log.info("evaluating the initial policy ...")
+    run.history["initial_eval"] = run.evaluate(state.params)
+    log.info("initial policy: %s", _fmt(run.history["initial_eval"]))
+  # Logs past the restored step belong to iterations that are about to be replayed.
+  writer = stack.enter_context(
+    metric_writers.MetricWriter(
+      workdir,
+      total_steps=config.iterations,
+      initial_step=start,
+      resume_step=start if restored is not None else -1,
+    )
+  )
+  stack.enter_context(writer.redirect_logging(log))
+  if restored is None:
+    writer.write(0, run.history["initial_eval"])
 
   # --- The loop: from here a stop signal only sets a flag ----------------------------------------
   signals.arm()
-  done = start_iter
-  last_eval = history.get("last_eval", history.get("initial_eval", {}))
-  preempted = False
-  for iteration in range(start_iter, config.iterations):
+  done, io_s = start, 0.0
+  for iteration in range(start, config.iterations):
     if signals.should_stop():
-      preempted = True
       break
-    t0 = time.time()
-    key = jax.random.fold_in(base_key, iteration)
-    batch, metrics = collect_rollout(
-      config,
-      env,
-      mesh_sampler,
-      state.params,
-      jax.random.fold_in(key, 0),
-      sampling,
-      prompt_len=prompt_len,
-      pad_id=pad_id,
-      use_topk=spec.use_topk,
-    )
-    t_rollout = time.time() - t0
-    if ref_params is not None:
-      batch["ref_logp"] = np.zeros_like(batch["logq"])  # filled below; fixes the key set
-    if update is None:
-      batch_sh = sharding.batch_shardings(batch, mesh)
-      update = sharding.jit_update(update_fn, state_sh, batch_sh)
-      sharded_logprobs = sharding.jit_logprobs(logprob_fn, state_sh.params, batch_sh)
-    if r.recompute_logprobs or ref_params is not None:
-      batch_dev = to_devices(batch)
-      if r.recompute_logprobs:
-        batch["logq"] = sharding.to_host(sharded_logprobs(state.params, batch_dev))
-      if ref_params is not None:
-        batch["ref_logp"] = sharding.to_host(sharded_logprobs(ref_params, batch_dev))
-    t1 = time.time()
-    state, upd = update(state, to_devices(batch), jax.random.fold_in(key, 1))
-    metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))
-    metrics.update(
-      {
-        "time/rollout_s": t_rollout,
-        "time/update_s": time.time() - t1,
-        "time/iteration_s": time.time() - t0,
-        "optim/steps": float(state.step),
-      }
-    )
-    check_finite(state, metrics, batch["adv"], iteration=iteration + 1, newest=newest)
+    t0 = time.perf_counter()
+    state, metrics = _iteration(run, state, iteration)
     done = iteration + 1
     if done % config.eval.every == 0 or done == config.iterations:
-      last_eval = run_eval(state.params)
-      history["last_eval"] = last_eval
-      history.setdefault("evals", []).append({"iteration": done, **last_eval})
-      metrics.update(last_eval)
-      say(f"iteration {done}: " + _fmt(last_eval))
+      t_eval = time.perf_counter()
+      run.history["last_eval"] = last = run.evaluate(state.params)
+      run.history.setdefault("evals", []).append({"iteration": done, **last})
+      metrics.update(last, **{"time/eval_s": time.perf_counter() - t_eval})
+      log.info("iteration %d: %s", done, _fmt(last))
+    metrics["time/io_s"] = io_s  # the previous iteration's logging and checkpoint calls
+    metrics["time/iteration_s"] = time.perf_counter() - t0 + io_s
+    t_io = time.perf_counter()
     if done % config.log_every == 0:
       writer.write(done, metrics)
     writer.advance()
     if done % config.checkpoint.every == 0 or done == config.iterations:
-      save(done)
+      run.save(done, state)
+    io_s = time.perf_counter() - t_io
 
-  if preempted:
-    if newest != done:
-      say(f"saving iteration {done} before exiting ...")
-      save(done, wait=True)
-    mngr.wait_until_finished()
+  if done < config.iterations:  # stopped by a signal
+    if run.newest != done:
+      log.info("saving iteration %d before exiting ...", done)
+      run.save(done, state, wait=True)
+    run.mngr.wait_until_finished()
     writer.flush()
     return {
       "workdir": workdir,
       "preempted": True,
       "iterations_done": done,
       "signal": signals.received,
-      "checkpoints": str(mngr.directory),
+      "checkpoints": str(run.mngr.directory),
     }
-  mngr.wait_until_finished()
+  run.mngr.wait_until_finished()
   writer.close()
-
   if config.model.export_hf and config.model.path is not None:
-    from gppo_jax import hf_checkpoint
+    _export_hf(run, state)
+  return _finish(run, t_start, done)
 
-    params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
-    if is_main:
-      out_dir = os.path.join(workdir, "hf_export")
-      hf_checkpoint.save_model(nnx.merge(graphdef, params), out_dir, source=config.model.path)
-      say(f"exported the trained policy to {out_dir}")
+
+def _export_hf(run: Run, state) -> None:
+  from gppo_jax import hf_checkpoint
+
+  params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
+  if jax.process_index() == 0:
+    out_dir = os.path.join(run.workdir, "hf_export")
+    hf_checkpoint.save_model(
+      nnx.merge(run.graphdef, params), out_dir, source=run.config.model.path
+    )
+    log.info("exported the trained policy to %s", out_dir)
+
+
+def _finish(run: Run, t_start: float, done: int) -> dict[str, Any]:
+  """The summary (returned, written to summary.json and printed by process 0)."""
+  h = run.history
   summary = {
-    "workdir": workdir,
+    "workdir": run.workdir,
     "preempted": False,
-    "iterations": config.iterations,
+    "iterations": run.config.iterations,
     "iterations_done": done,
     "seconds": time.time() - t_start,
-    "warm_start": history.get("warm_start", warm_info),
-    "initial_eval": history.get("initial_eval", {}),
-    "final_eval": last_eval,
-    "metrics_file": os.path.join(workdir, "metrics.jsonl"),
-    "checkpoints": str(mngr.directory),
+    "warm_start": h.get("warm_start", {}),
+    "initial_eval": h.get("initial_eval", {}),
+    "final_eval": h.get("last_eval", h.get("initial_eval", {})),
+    "metrics_file": os.path.join(run.workdir, "metrics.jsonl"),
+    "checkpoints": str(run.mngr.directory),
   }
-  if is_main:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+  if jax.process_index() == 0:
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2, default=str)
-    _print_summary(summary, config)
+    _print_summary(summary, run.config)
   return summary
 
 
 def _fmt(metrics: dict[str, float]) -> str:
-  """'accuracy 0.31  pass@4 0.48  level1/accuracy 0.09 ...': overall figures first."""
-  names = [(k.split("/", 1)[-1], v) for k, v in metrics.items()]
-  names.sort(key=lambda kv: "/" in kv[0])
-  return "  ".join(f"{k} {v:.3f}" for k, v in names)
+  """'accuracy 0.31±0.02  pass@4 0.48±0.02  level1/accuracy 0.09 ...': overall figures first,
+  each with its standard error (the `<key>_se` entry) when there is one."""
+  parts = []
+  for key, v in metrics.items():
+    if key.endswith("_se"):
+      continue
+    name = key.split("/", 1)[-1]
+    se = metrics.get(key + "_se")
+    parts.append((name, f"{name} {v:.3f}" + (f"±{se:.3f}" if se is not None else "")))
+  parts.sort(key=lambda p: "/" in p[0])
+  return "  ".join(text for _, text in parts)
 
 
 def _print_summary(s: dict[str, Any], config) -> None:
-  before = s["initial_eval"].get("eval/accuracy", float("nan"))
-  after = s["final_eval"].get("eval/accuracy", float("nan"))
+  before, after = s["initial_eval"], s["final_eval"]
+  acc0, acc1 = before.get("eval/accuracy", float("nan")), after.get("eval/accuracy", float("nan"))
   lines = [
     "",
     f"GPPO {config.loss.divergence}-{config.loss.estimator} finished {s['iterations']} iterations "
     f"in {s['seconds']:.0f} s",
-    f"  held-out greedy accuracy: {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} "
-    "points)",
+    f"  held-out greedy accuracy: {acc0:.3f} -> {acc1:.3f} ({100 * (acc1 - acc0):+.1f} points)",
   ]
-  for key in s["final_eval"]:
-    if key != "eval/accuracy" and key in s["initial_eval"]:
-      lines.append(f"  {key}: {s['initial_eval'][key]:.3f} -> {s['final_eval'][key]:.3f}")
+  for key in after:
+    if key != "eval/accuracy" and key in before and not key.endswith("_se"):
+      lines.append(f"  {key}: {before[key]:.3f} -> {after[key]:.3f}")
   lines += [
     f"  metrics:     {s['metrics_file']} (TensorBoard: {s['workdir']}/tensorboard)",
     f"  checkpoints: {s['checkpoints']}",

@@ -2,14 +2,7 @@
 
 `make_update_fn` returns one function that runs `epochs` x `minibatches` optimizer steps (each the
 sum of `microbatches` gradient pieces, exact for every aggregation) over a rollout batch inside
-`lax.scan`, so the whole update compiles once. The rollout batch is a dict of arrays:
-
-  inputs, targets, positions, attn   [N, L]  prompt (left-padded, P) + response (right-padded, R),
-                                              shifted by one token (L = P + R - 1)
-  logq, mask                          [N, R]  behaviour log-probs and response-token mask
-  adv                                 [N]     advantages
-  ref_logp                            [N, R]  optional: frozen reference policy (KL penalty)
-  topk_logq, topk_ids                 [N, R, K] optional: behaviour top-K (topk estimator)
+`lax.scan`, so the whole update compiles once. Its input is a `Batch` (see there).
 """
 
 from __future__ import annotations
@@ -28,7 +21,28 @@ from flax import nnx
 from gppo_jax import model as model_lib
 from gppo_jax import objective, partitioning
 
-Batch = dict[str, jax.Array]
+@flax.struct.dataclass
+class Batch:
+  """One rollout batch, as the update consumes it (numpy on the host, jax.Array on devices).
+
+  N sequences of prompt (left-padded to P) + response (right-padded to R), shifted by one token
+  for teacher forcing, so L = P + R - 1. Optional fields are None when the loss does not need them.
+  """
+
+  inputs: Any  # int32 [N, L]
+  targets: Any  # int32 [N, L]
+  positions: Any  # int32 [N, L]
+  attn: Any  # bool [N, L]: real (non-pad) token
+  logq: Any  # float32 [N, R]: behaviour log-probs of the response tokens
+  mask: Any  # bool [N, R]: response tokens the loss counts
+  adv: Any  # float32 [N]: advantages
+  ref_logp: Any = None  # float32 [N, R]: frozen reference policy (KL penalty)
+  topk_logq: Any = None  # float32 [N, R, K]: behaviour top-K log-probs (topk estimator)
+  topk_ids: Any = None  # int32 [N, R, K]
+
+  @property
+  def num_rows(self) -> int:
+    return self.adv.shape[0]
 
 
 @flax.struct.dataclass
@@ -101,31 +115,66 @@ def update_spec_from_config(config, prompt_len: int, response_len: int) -> Updat
   )
 
 
-def build_sequences(
+def abstract_batch(
+  num_rows: int, prompt_len: int, response_len: int, spec: UpdateSpec, num_topk: int = 0
+) -> Batch:
+  """The rollout batch's shapes and dtypes (jax.ShapeDtypeStruct), with the optional fields the
+  loss of `spec` needs: what the update compiles for (train.py) and the planner measures."""
+  s = jax.ShapeDtypeStruct
+  n, R, K = num_rows, response_len, num_topk
+  seq = lambda dtype: s((n, prompt_len + R - 1), dtype)
+  return Batch(
+    inputs=seq(jnp.int32),
+    targets=seq(jnp.int32),
+    positions=seq(jnp.int32),
+    attn=seq(jnp.bool_),
+    logq=s((n, R), jnp.float32),
+    mask=s((n, R), jnp.bool_),
+    adv=s((n,), jnp.float32),
+    ref_logp=s((n, R), jnp.float32) if spec.use_ref_logp else None,
+    topk_logq=s((n, R, K), jnp.float32) if spec.use_topk else None,
+    topk_ids=s((n, R, K), jnp.int32) if spec.use_topk else None,
+  )
+
+
+def build_batch(
   prompt_tokens: np.ndarray,
   prompt_mask: np.ndarray,
   resp_tokens: np.ndarray,
   resp_mask: np.ndarray,
-) -> dict[str, np.ndarray]:
-  """Teacher-forcing arrays for prompt + response: inputs/targets/positions/attn [N, P + R - 1]."""
+  *,
+  logq: np.ndarray,
+  adv: np.ndarray,
+  loss_mask: np.ndarray | None = None,
+  **optional: np.ndarray | None,
+) -> Batch:
+  """A `Batch` from left-padded prompts [N, P] and right-padded responses [N, R].
+
+  The teacher-forcing arrays inputs/targets/positions/attn [N, P + R - 1] are built here;
+  `loss_mask` (default: resp_mask) says which response tokens the loss counts; `optional` fills
+  ref_logp / topk_logq / topk_ids."""
   full = np.concatenate([prompt_tokens, resp_tokens], axis=1).astype(np.int32)
   attn = np.concatenate([prompt_mask, resp_mask], axis=1).astype(bool)
   positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
-  return {
-    "inputs": full[:, :-1],
-    "targets": full[:, 1:],
-    "positions": positions[:, :-1],
-    "attn": attn[:, :-1],
-  }
+  return Batch(
+    inputs=full[:, :-1],
+    targets=full[:, 1:],
+    positions=positions[:, :-1],
+    attn=attn[:, :-1],
+    logq=np.asarray(logq, np.float32),
+    mask=np.asarray(resp_mask if loss_mask is None else loss_mask, bool),
+    adv=np.asarray(adv, np.float32).reshape(-1),
+    **optional,
+  )
 
 
 def _response_stats(model, batch, *, prompt_len, temperature, entropy=False, gather=False):
-  hidden, _ = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"])
+  hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn)
   hidden = hidden[:, prompt_len - 1 :]
-  targets = batch["targets"][:, prompt_len - 1 :]
+  targets = batch.targets[:, prompt_len - 1 :]
   kwargs = {}
   if gather:
-    kwargs["gather_ids"] = batch["topk_ids"]
+    kwargs["gather_ids"] = batch.topk_ids
   return model_lib.chunked_logprobs(
     model, hidden, targets, temperature=temperature, entropy=entropy, **kwargs
   )
@@ -184,16 +233,16 @@ def make_update_fn(
     if spec.use_topk:
       extra["estimator_kwargs"] = dict(
         topk_logp=stats["gathered_logprobs"],
-        topk_logq=mb["topk_logq"],
-        topk_ids=mb["topk_ids"],
-        tokens=mb["targets"][:, spec.prompt_len - 1 :],
+        topk_logq=mb.topk_logq,
+        topk_ids=mb.topk_ids,
+        tokens=mb.targets[:, spec.prompt_len - 1 :],
       )
     if spec.use_ref_logp:
-      extra["ref_logp"] = mb["ref_logp"]
+      extra["ref_logp"] = mb.ref_logp
     if loss_cfg.entropy_coef > 0:
       extra["entropy"] = stats["entropy"]
     return objective.policy_loss(
-      stats["logprobs"], mb["logq"], mb["adv"], mb["mask"], loss_cfg, normalizer=normalizer, **extra
+      stats["logprobs"], mb.logq, mb.adv, mb.mask, loss_cfg, normalizer=normalizer, **extra
     )
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -205,7 +254,7 @@ def make_update_fn(
     params, opt_state = carry
     # The normaliser of the whole mini-batch, so that micro-batch gradients simply add up.
     _, count = objective.aggregate_terms(
-      jnp.zeros(mb["mask"].shape), mb["mask"], loss_cfg.aggregation, loss_cfg.max_len
+      jnp.zeros(mb.mask.shape), mb.mask, loss_cfg.aggregation, loss_cfg.max_len
     )
     micro = jax.tree.map(lambda x: split(x, spec.microbatches), mb)
 
@@ -226,7 +275,7 @@ def make_update_fn(
     return (params, opt_state), metrics
 
   def update(state: TrainState, batch: Batch, rng: jax.Array):
-    n = batch["adv"].shape[0]
+    n = batch.num_rows
     if n % (spec.minibatches * spec.microbatches):
       raise ValueError(
         f"rollout batch of {n} sequences does not split into {spec.minibatches} mini-batches x "

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from gppo_jax import checkpointing, sharding, train  # noqa: E402
+from gppo_jax import checkpointing, rollout, sharding, train  # noqa: E402
 
 PLAN = json.loads(os.environ.get("GPPO_TEST_SIGNALS", "[]"))
 CALLS = {"rollout": 0, "update": 0, "save": 0}
@@ -78,7 +78,7 @@ def _wrap_save(fn):
   return wrapped
 
 
-train.collect_rollout = _wrap_rollout(train.collect_rollout)
+rollout.collect = _wrap_rollout(rollout.collect)
 sharding.jit_update = _wrap_jit_update(sharding.jit_update)
 checkpointing.save = _wrap_save(checkpointing.save)
 

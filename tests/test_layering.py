@@ -30,6 +30,7 @@ LAYERS = [
       "envs",
       "train_step",
       "policy_eval",
+      "rollout",
       "warmstart",
       "checkpointing",
       "metric_writers",

@@ -49,10 +49,12 @@ def setup():
   p_mask[::3, :2] = False
   resp = rng.integers(3, cfg.vocab_size, (N, R)).astype(np.int32)
   resp_mask = np.arange(R)[None] < rng.integers(1, R + 1, (N, 1))
-  batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
-  batch.update(
+  batch = train_step.build_batch(
+    p_tok,
+    p_mask,
+    resp,
+    resp_mask,
     logq=np.log(rng.uniform(0.05, 0.9, (N, R))).astype(np.float32),
-    mask=resp_mask,
     adv=rng.normal(size=N).astype(np.float32),
   )
   spec = train_step.UpdateSpec(prompt_len=P, loss=LOSS, epochs=2, minibatches=2)
@@ -107,10 +109,10 @@ def test_distributed_initialize_only_when_asked(monkeypatch):
 def test_batches_split_over_data_and_fsdp(setup):
   mesh = mesh_of((2, 2, 2))
   batch = sharding.shard_batch(setup["batch"], mesh)
-  assert batch["inputs"].sharding.spec == jax.P(("data", "fsdp"), None)
-  assert batch["adv"].sharding.spec == jax.P(("data", "fsdp"))
-  assert batch["inputs"].addressable_shards[0].data.shape == (N // 4, P + R - 1)
-  np.testing.assert_array_equal(np.asarray(batch["targets"]), setup["batch"]["targets"])
+  assert batch.inputs.sharding.spec == jax.P(("data", "fsdp"), None)
+  assert batch.adv.sharding.spec == jax.P(("data", "fsdp"))
+  assert batch.inputs.addressable_shards[0].data.shape == (N // 4, P + R - 1)
+  np.testing.assert_array_equal(np.asarray(batch.targets), setup["batch"].targets)
   # Rows that do not divide over data x fsdp fall back to the axes that do (here data only).
   odd = sharding.shard_batch({"x": np.arange(6)}, mesh)
   assert odd["x"].sharding.spec == jax.P("data")
@@ -201,7 +203,7 @@ def test_training_loop_compiles_the_update_and_the_sampler_once(setup, monkeypat
     p_tok = rng.integers(3, setup["cfg"].vocab_size, (N, P)).astype(np.int32)
     out = mesh_sampler(state.params, p_tok, setup["p_mask"], key, SAMPLING)
     assert out.tokens.shape == (N, SAMPLING.max_new_tokens)
-    batch = dict(setup["batch"], adv=rng.normal(size=N).astype(np.float32))
+    batch = setup["batch"].replace(adv=rng.normal(size=N).astype(np.float32))
     state, metrics = update(state, sharding.shard_batch(batch, mesh), key)
   assert int(state.step) == 12 and np.isfinite(np.asarray(metrics["loss/total"])).all()
 

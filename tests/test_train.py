@@ -141,10 +141,12 @@ def test_gradient_accumulation_gives_the_same_update():
   p_mask = np.ones_like(p_tok, bool)
   p_mask[::3, :2] = False
   resp_mask = np.arange(r)[None] < rng.integers(1, r + 1, (n, 1))
-  batch = train_step.build_sequences(p_tok, p_mask, resp, resp_mask)
-  batch.update(
+  batch = train_step.build_batch(
+    p_tok,
+    p_mask,
+    resp,
+    resp_mask,
     logq=np.log(rng.uniform(0.05, 0.9, (n, r))).astype(np.float32),
-    mask=resp_mask,
     adv=rng.normal(size=n).astype(np.float32),
   )
   # Plain SGD: Adam's normalised step turns float-order noise in near-zero gradients into
@@ -178,10 +180,17 @@ def test_trust_region_slows_how_far_one_iteration_moves_the_policy():
   n = 32
   env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=1)
   mask = np.ones(resp.shape, bool)
-  batch = train_step.build_sequences(p_tok, np.ones_like(p_tok, bool), resp, mask)
+  batch = train_step.build_batch(
+    p_tok,
+    np.ones_like(p_tok, bool),
+    resp,
+    mask,
+    logq=np.zeros(mask.shape, np.float32),
+    adv=rng.normal(size=n).astype(np.float32),
+  )
   logprobs = train_step.make_logprob_fn(graphdef, prompt_len=env.max_prompt_len, temperature=1.0)
   logq = logprobs(params, batch)  # on-policy: the behaviour policy is the current one
-  batch.update(logq=logq, mask=mask, adv=rng.normal(size=n).astype(np.float32))
+  batch = batch.replace(logq=logq)
   tx = optax.adam(1e-3)
   drift, masked = {}, {}
   for name, delta in (("kl_atomic", 0.0231), ("none", 1e30)):
