@@ -222,3 +222,27 @@ def test_atomic_and_binary_never_mask_inside_the_exact_region(name):
     assert np.all(r >= lo * (1 - tol)) and np.all(r <= hi * (1 + tol)), est
   lo, hi = theory.level_set(name, "mc", delta, q)
   assert np.any((r < lo) | (r > hi))  # MC would mask some tokens of an in-region policy
+
+
+def test_estimator_variance_benchmark_measures_its_prediction(capsys):
+  """benchmarks/estimator_variance.py runs, and its sampled second-moment ratio of atomic to MC
+  matches the predicted sum_a w(a) mu(a)^2 (at 5000 tokens per pair, within 25%)."""
+  import importlib.util
+  import os
+
+  path = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "benchmarks", "estimator_variance.py"
+  )
+  spec = importlib.util.spec_from_file_location("estimator_variance", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  assert bench.main(["--pairs", "2", "--samples", "5000", "--vocabs", "2,64"]) == 0
+  out = capsys.readouterr().out
+  factor = float(out.split("within a factor ")[1].split()[0])
+  assert 1.0 <= factor < 1.25, out
+  rng = np.random.default_rng(0)
+  pi, mu = bench.random_pair(rng, 16)
+  ex = bench.exact_moments("kl", pi, mu)
+  # The prediction is mu^2 averaged under MC's second moment: within [min mu^2, max mu^2].
+  assert mu.min() ** 2 <= ex["predicted"] <= mu.max() ** 2
+  np.testing.assert_allclose(ex["d_f"], d_f("kl", pi, mu), rtol=1e-12)
