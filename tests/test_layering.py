@@ -41,7 +41,7 @@ LAYERS = [
       "diagnostics",
     },
   ),
-  ("entry points", {"train", "evaluate", "plan", "prepare_data", "sweep"}),
+  ("entry points", {"train", "evaluate", "plan", "prepare_data", "sweep", "sweep_report"}),
 ]
 
 

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from gppo_jax import errors, presets, sweep, theory
+from gppo_jax import sweep_report as report
 from gppo_jax import sweep_stats as st
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +234,7 @@ def fake_run(out, run: sweep.Run, curve, masked, *, settings=None, finished=True
 def test_a_run_folder_reads_back(tmp_path):
   run = sweep.Run(1, "f_eps", 1.0, "kl_atomic")
   path = fake_run(tmp_path, run, [0.3, 0.5, 0.9], 0.06, seconds=12.5)
-  r = sweep.read_run(path)
+  r = report.read_run(path)
   assert (r["cell"], r["divergence"], r["estimator"], r["seed"], r["status"]) == (
     "kl_atomic",
     "kl",
@@ -245,7 +247,7 @@ def test_a_run_folder_reads_back(tmp_path):
   assert r["masked_late"] == pytest.approx(0.06) and r["wall_s"] == 12.5
   assert r["curve_steps"] == [0, 50, 100] and len(r["masked"]) == 100
   assert r["delta_low"] == pytest.approx(presets.default_delta("kl"))
-  unfinished = sweep.read_run(
+  unfinished = report.read_run(
     fake_run(tmp_path, sweep.Run(2, "f_eps", 1.0, "kl_atomic"), [0.3, 0.4], 0.05, finished=False)
   )
   assert unfinished["status"] == "unfinished" and math.isnan(unfinished["final"])
@@ -271,10 +273,10 @@ def _fake_grid(out, seeds=(0, 1, 2, 3)):
 
 def test_outputs_from_run_folders(tmp_path):
   _fake_grid(tmp_path)
-  paths = sweep.write_outputs(str(tmp_path), {"overrides": [], "start": "per_seed", "eps": 0.2})
+  paths = report.write_outputs(str(tmp_path), {"overrides": [], "start": "per_seed", "eps": 0.2})
   assert paths["runs"] == paths["finished"] == 13 * 4
   rows = list(csv.DictReader(open(paths["runs_csv"])))
-  assert len(rows) == 52 and set(sweep.CSV_FIELDS) == set(rows[0])
+  assert len(rows) == 52 and set(report.CSV_FIELDS) == set(rows[0])
   kl = [r for r in rows if r["cell"] == "kl_atomic"]
   assert sorted(float(r["final"]) for r in kl) == pytest.approx([0.45, 0.55, 0.65, 0.75])
   assert all(r["status"] == "done" and float(r["wall_s"]) == 9.0 for r in rows)
@@ -415,7 +417,29 @@ def test_a_user_error_in_a_run_stops_the_sweep(tmp_path):
   with pytest.raises(errors.ConfigError, match="kl_atomic__f_eps_x1__s0 stopped on a user error"):
     sweep.execute(runs, s, launch=launcher(tmp_path, s, launched, code=2), echo=print, poll_s=0)
   assert len(launched) == 1
-  assert sweep.read_run(sweep.run_dir(str(tmp_path), runs[0]))["status"] == "failed (exit 2)"
+  assert report.read_run(sweep.run_dir(str(tmp_path), runs[0]))["status"] == "failed (exit 2)"
+
+
+def test_a_stop_is_passed_on_to_the_running_runs(tmp_path):
+  s = _settings(tmp_path)
+  runs = sweep.expand(["kl_atomic"], ["f_eps"], [1.0], [0, 1])
+  signals = []
+
+  class Stopped(FakeProcess):
+    def poll(self):
+      raise KeyboardInterrupt  # Ctrl-C reaches the sweep while both runs train
+
+    def send_signal(self, sig):
+      signals.append(sig)
+
+  def launch(cmd, _log):
+    return Stopped(cmd, str(tmp_path), _log)
+
+  with pytest.raises(sweep.SweepStopped):
+    sweep.execute(runs, s, jobs=2, launch=launch, echo=print, poll_s=0)
+  assert signals == [signal.SIGTERM, signal.SIGTERM]  # each run saves and exits 0
+  for run in runs:
+    assert report.read_run(sweep.run_dir(str(tmp_path), run))["status"] == "unfinished"
 
 
 # --- One real sweep -----------------------------------------------------------------------------
@@ -454,6 +478,16 @@ def test_a_real_tiny_sweep_runs_reports_and_resumes(tmp_path):
   assert {r["delta_low"] for r in rows if r["cell"] == "none"} == {"inf"}
   config = json.load(open(tmp_path / "runs" / "none__inf__s1" / "config.json"))
   assert config["seed"] == config["warmstart"]["seed"] == 1 and config["task"]["name"] == "add1"
+  # Common random numbers: under one seed both cells start from the same policy and sample the
+  # same first rollout (same prompts, same keys, same parameters), whatever their loss.
+  for seed in (0, 1):
+    first = [
+      [json.loads(x) for x in open(tmp_path / "runs" / name / "metrics.jsonl")][:2]
+      for name in (f"kl_atomic__f_eps_x1__s{seed}", f"none__inf__s{seed}")
+    ]
+    assert first[0][0] == {**first[1][0], "time": first[0][0]["time"]}  # the initial eval
+    for key in ("reward/mean", "response/length_mean", "response/truncated_frac"):
+      assert first[0][1][key] == first[1][1][key], key
   text = (tmp_path / "results.md").read_text()
   assert "| kl_atomic | 0.02314 | 2 |" in text and "Wall time:" in text
   assert (tmp_path / "plots" / "f_eps_x1_curves.png").exists()

@@ -1,0 +1,572 @@
+"""The outputs of a sweep (gppo_jax/sweep.py) from its run folders: runs.csv, results.md, plots.
+
+Each run folder is read back on its own (`read_run`: the sweep's record, train's config.json,
+metrics.jsonl and summary.json), so the outputs can be rebuilt at any time from what is on disk
+(`python -m gppo_jax.sweep --report-only`). Statistics come from gppo_jax/sweep_stats.py: means
+with 95% percentile-bootstrap intervals over seeds, and differences and relative gains paired by
+seed. Plots use matplotlib's Agg backend.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gppo_jax import errors, presets
+from gppo_jax import sweep_stats as stats
+
+DIVERGENCES = ("tv", "kl", "hellinger", "chi2")
+ESTIMATORS = ("mc", "binary", "atomic")
+GRID = tuple(f"{d}_{e}" for d in DIVERGENCES for e in ESTIMATORS)
+NONE = "none"  # tv_mc with an infinite radius
+REFERENCE = "tv_mc"  # PPO's clip: the cell every other is compared with, paired by seed
+RULES = ("f_eps", "equal_tv")
+OWN = "own"  # the radius rule of presets (their own radii)
+INF = "inf"  # the radius rule of `none`
+RECORD = "sweep_run.json"  # in each run folder: what the run is, its train arguments, wall time
+SWEEP_FILE = "sweep.json"  # in the sweep folder: the shared settings and the invocations' times
+# The paper's summary claims (math / code), as relative gains of held-out accuracy.
+PAPER_CLAIMS = (
+  ("KL-Atomic vs TV-MC (GRPO)", "+49.8% / +13.9%"),
+  ("Atomic vs MC, averaged over divergences", "+28.3% / +7.7%"),
+  ("Binary vs MC, averaged over divergences", "+21.3% / +3.2%"),
+  ("KL vs TV under MC", "+24.9% / +3.6%"),
+)
+
+
+def read_json(path: str) -> Any:
+  """The JSON value in `path`, or None if it is missing or unreadable."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def duration(seconds: float) -> str:
+  """'1 h 05 min', '4 min 10 s', '37 s'."""
+  seconds = max(0, int(round(seconds)))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  if h:
+    return f"{h} h {m:02d} min"
+  return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
+def now() -> str:
+  return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# --- Reading runs back --------------------------------------------------------------------------
+
+
+def read_run(path: str) -> dict[str, Any]:
+  """One run folder as a row: identity, radii, curves and figures (NaN where not available)."""
+  record = read_json(os.path.join(path, RECORD)) or {}
+  config = read_json(os.path.join(path, "config.json")) or {}
+  summary = read_json(os.path.join(path, "summary.json"))
+  ident = record.get("run") or {}
+  loss = config.get("loss", {})
+  nan = float("nan")
+  row: dict[str, Any] = {
+    "run": os.path.basename(os.path.normpath(path)),
+    "cell": ident.get("cell", ""),
+    "divergence": loss.get("divergence", ""),
+    "estimator": loss.get("estimator", ""),
+    "rule": ident.get("rule", ""),
+    "scale": float(ident.get("scale", nan)),
+    "delta_low": _float(loss.get("delta_low")),
+    "delta_high": _float(loss.get("delta_high")),
+    "seed": ident.get("seed", config.get("seed")),
+    "start_seed": record.get("start_seed", (config.get("warmstart") or {}).get("seed")),
+    "iterations": config.get("iterations"),
+    "wall_s": float(record.get("wall_s") or (summary or {}).get("seconds") or nan),
+    "budget": _budget(config),
+  }
+  steps, curve, mask_steps, masked = [], [], [], []
+  try:
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+      for line in f:
+        x = json.loads(line)
+        if "eval/accuracy" in x:
+          steps.append(x["step"])
+          curve.append(x["eval/accuracy"])
+        if "trust/masked_frac_late" in x:
+          mask_steps.append(x["step"])
+          masked.append(x["trust/masked_frac_late"])
+  except (OSError, ValueError):
+    pass
+  done = isinstance(summary, dict) and not summary.get("preempted", False)
+  code = record.get("exit")
+  if done:
+    row["status"] = "done"
+  elif code not in (None, 0):
+    row["status"] = f"failed (exit {code})"
+  else:
+    row["status"] = "unfinished" if record or steps else "not started"
+  tail = masked[len(masked) // 2 :]
+  row.update(
+    initial=curve[0] if curve else nan,
+    final=summary["final_eval"].get("eval/accuracy", nan) if done else nan,
+    auc=stats.auc(steps, curve) if done and curve else nan,
+    best=max(curve) if curve else nan,
+    masked_late=float(np.mean(tail)) if tail else nan,
+    curve_steps=steps,
+    curve=curve,
+    masked_steps=mask_steps,
+    masked=masked,
+  )
+  return row
+
+
+def _budget(c: dict) -> str:
+  """'task addsub3, 400 iterations of 64 prompts x 8 samples, 2 epochs x 4 mini-batches, ...'."""
+  try:
+    r, u = c["rollout"], c["train"]
+    return (
+      f"task {c['task']['name']}, {c['iterations']} iterations of {r['prompts_per_iter']} "
+      f"prompts x "
+      f"{r['group_size']} samples, {u['epochs']} epochs x {u['minibatches']} mini-batches, "
+      f"lr {c['optim']['lr']:g}, evals every {c['eval']['every']} on {c['eval']['num_problems']}"
+    )
+  except (KeyError, TypeError, ValueError):
+    return ""
+
+
+def _float(x: Any) -> float:
+  try:
+    return float(x)
+  except (TypeError, ValueError):
+    return float("nan")
+
+
+def collect(out: str) -> list[dict[str, Any]]:
+  """Every run folder of a sweep (those with a sweep record), in run order."""
+  root = os.path.join(out, "runs")
+  rows = []
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, RECORD)):
+      rows.append(read_run(path))
+
+  def key(r):
+    cells = [*GRID, NONE, *presets.names()]
+    return (r["seed"], r["rule"], r["scale"], cells.index(r["cell"]) if r["cell"] in cells else 99)
+
+  return sorted(rows, key=key)
+
+
+# --- Outputs: runs.csv, results.md, plots ------------------------------------------------------
+
+CSV_FIELDS = (
+  "run",
+  "cell",
+  "divergence",
+  "estimator",
+  "rule",
+  "scale",
+  "delta_low",
+  "delta_high",
+  "seed",
+  "start_seed",
+  "iterations",
+  "initial",
+  "final",
+  "auc",
+  "best",
+  "masked_late",
+  "wall_s",
+  "status",
+)
+METRICS = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run)"))
+
+
+def write_runs_csv(path: str, rows: Sequence[dict]) -> None:
+  """One row per run: identity, radii, accuracies (fractions), masked share, wall time, status."""
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+      w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in CSV_FIELDS})
+
+
+def groups(rows: Sequence[dict]) -> list[tuple[str, float]]:
+  """The radius settings (rule, scale) of the grid cells present; each is reported on its own,
+  with the presets at that scale and `none` beside it."""
+  order = {r: i for i, r in enumerate((*RULES, OWN, INF))}
+  grid = {(r["rule"], r["scale"]) for r in rows if r["cell"] in GRID}
+  if not grid:
+    grid = {(OWN, r["scale"]) for r in rows if r["rule"] == OWN} or {(INF, 1.0)}
+  return sorted(grid, key=lambda g: (order.get(g[0], 9), g[1]))
+
+
+def group_tag(group: tuple[str, float]) -> str:
+  return INF if group[0] == INF else f"{group[0]}_x{group[1]:g}"
+
+
+def in_group(row: dict, group: tuple[str, float]) -> bool:
+  rule, scale = row["rule"], row["scale"]
+  return (rule, scale) == group or rule == INF or (rule == OWN and scale == group[1])
+
+
+def by_cell(rows: Iterable[dict]) -> dict[str, dict[int, dict]]:
+  """{cell: {seed: row}} of the finished runs."""
+  out: dict[str, dict[int, dict]] = {}
+  for r in rows:
+    if r["status"] == "done":
+      out.setdefault(r["cell"], {})[r["seed"]] = r
+  return out
+
+
+def paired(cells_rows: dict[str, dict[int, dict]], cells: Sequence[str], metric: str):
+  """(seeds, x [seeds, cells]): `metric` of `cells` under the seeds all of them finished."""
+  if not cells or any(c not in cells_rows for c in cells):
+    return [], np.zeros((0, len(cells)))
+  seeds = sorted(set.intersection(*(set(cells_rows[c]) for c in cells)))
+  x = np.array([[cells_rows[c][s][metric] for c in cells] for s in seeds], np.float64)
+  return seeds, x.reshape(len(seeds), len(cells))
+
+
+def _pct(
+  p: float, lo: float = math.nan, hi: float = math.nan, *, sign: bool = False, unit=""
+) -> str:
+  if not math.isfinite(p):
+    return "n/a"
+  f = "+.1f" if sign else ".1f"
+  text = f"{100 * p:{f}}{unit}"
+  if math.isfinite(lo) and math.isfinite(hi):
+    text += f" [{100 * lo:{f}}{unit}, {100 * hi:{f}}{unit}]"
+  return text
+
+
+def _reading(lo: float, hi: float) -> str:
+  if not (math.isfinite(lo) and math.isfinite(hi)):
+    return "no interval (1 seed)"
+  return "higher" if lo > 0 else ("lower" if hi < 0 else "within noise")
+
+
+def comparisons(cells_rows: dict[str, dict[int, dict]]) -> list[tuple[str, str, list, list]]:
+  """The paper's summary comparisons present in a group: (name, paper figure, cells, pairs), pairs
+  as (cell index, baseline index) into cells, averaged as relative gains."""
+  have = set(cells_rows)
+  out = []
+
+  def add(name: str, pairs: list[tuple[str, str]]) -> None:
+    pairs = [(a, b) for a, b in pairs if a in have and b in have]
+    if not pairs:
+      return
+    cells = list(dict.fromkeys(c for pair in pairs for c in pair))
+    paper = dict(PAPER_CLAIMS).get(name, "")
+    out.append((name, paper, cells, [(cells.index(a), cells.index(b)) for a, b in pairs]))
+
+  add(PAPER_CLAIMS[0][0], [("kl_atomic", REFERENCE)])
+  add(PAPER_CLAIMS[1][0], [(f"{d}_atomic", f"{d}_mc") for d in DIVERGENCES])
+  add(PAPER_CLAIMS[2][0], [(f"{d}_binary", f"{d}_mc") for d in DIVERGENCES])
+  add(PAPER_CLAIMS[3][0], [("kl_mc", REFERENCE)])
+  return out
+
+
+def averages(cells_rows: dict[str, dict[int, dict]]) -> list[tuple[str, str, list, list]]:
+  """Per estimator, relative gain over MC averaged over divergences; per divergence, over TV
+  averaged over estimators (the same estimator on both sides)."""
+  have = set(cells_rows)
+  out = []
+  for base, others, make in (
+    ("mc", ESTIMATORS[1:], lambda o, d: (f"{d}_{o}", f"{d}_mc")),
+    ("tv", DIVERGENCES[1:], lambda o, e: (f"{o}_{e}", f"tv_{e}")),
+  ):
+    over = DIVERGENCES if base == "mc" else ESTIMATORS
+    for other in others:
+      pairs = [make(other, x) for x in over]
+      pairs = [(a, b) for a, b in pairs if a in have and b in have]
+      if pairs:
+        cells = list(dict.fromkeys(c for pair in pairs for c in pair))
+        what = "divergences" if base == "mc" else "estimators"
+        name = f"{other} vs {base.upper()} ({len(pairs)} {what})"
+        out.append((name, base, cells, [(cells.index(a), cells.index(b)) for a, b in pairs]))
+  return out
+
+
+def _gain_rows(items, cells_rows) -> list[str]:
+  lines = []
+  for name, paper, cells, pairs in items:
+    cols = [name] + ([paper] if paper not in ("mc", "tv") else [])
+    n = 0
+    for metric, _ in METRICS:
+      seeds, x = paired(cells_rows, cells, metric)
+      n = len(seeds)
+      if n == 0:
+        cols += ["no common seed", ""] if metric == "final" else ["no common seed"]
+        continue
+      g, lo, hi = stats.relative_gain_ci(x, pairs)
+      cols.append(_pct(g, lo, hi, sign=True, unit="%"))
+      if metric == "final":
+        cols.append(_reading(lo, hi))
+    lines.append("| " + " | ".join(cols[:1] + [str(n)] + cols[1:]) + " |")
+  return lines
+
+
+def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
+  """results.md: settings and time, then per radius setting the per-cell table, the paper's
+  summary comparisons and the per-estimator / per-divergence averages, and the plots."""
+  sweep = sweep or {}
+  done = [r for r in rows if r["status"] == "done"]
+  walls = [r["wall_s"] for r in rows if math.isfinite(r["wall_s"])]
+  lines = [
+    "# Sweep results",
+    "",
+    f"Written {now()} by `python -m gppo_jax.sweep`. Runs: {len(rows)} ({len(done)} finished"
+    + "".join(
+      f", {sum(r['status'] == s for r in rows)} {s}"
+      for s in sorted({r["status"] for r in rows} - {"done"})
+    )
+    + ").",
+    f"Shared settings: overrides {sweep.get('overrides', [])}, start {sweep.get('start', '?')} "
+    f"(warmstart.seed {'= seed' if sweep.get('start') == 'per_seed' else '0'}), eps "
+    f"{sweep.get('eps', '?')}.",
+  ]
+  if walls:
+    lines.append(
+      f"Wall time: {duration(sum(walls))} summed over runs ({duration(float(np.mean(walls)))} "
+      f"per run on average, {duration(min(walls))} - {duration(max(walls))})"
+      + (
+        f"; the sweep's invocations took {duration(sum(sweep['elapsed_s']))} end to end"
+        if sweep.get("elapsed_s")
+        else ""
+      )
+      + "."
+    )
+  budgets = sorted({r["budget"] for r in rows if r["budget"]})
+  if budgets:
+    lines.append("Budget: " + "; ".join(budgets) + ".")
+  lines += [
+    "",
+    "Accuracy is greedy held-out accuracy in percent; final = after the last iteration, AUC = the "
+    "area under the held-out curve divided by its length (the run's mean accuracy, start "
+    "included). Intervals are 95% percentile bootstraps over seeds (about 90% coverage at 8 "
+    "seeds); differences and relative gains are paired by seed (same start, prompts and keys) "
+    "over the seeds both sides finished. Masked: share of tokens masked by the trust region in "
+    "the later mini-batches, mean over the second half of the run.",
+  ]
+  for group in groups(rows):
+    grows = [r for r in rows if in_group(r, group)]
+    cells_rows = by_cell(grows)
+    tag = group_tag(group)
+    lines += ["", f"## Radius {tag}", ""]
+    lines += _cell_table(grows, cells_rows)
+    items = comparisons(cells_rows)
+    if items:
+      lines += [
+        "",
+        "### The paper's summary comparisons (relative gain of the mean accuracy)",
+        "",
+        "| comparison | seeds | paper (math / code) | final [95% CI] | final reads "
+        "| AUC [95% CI] |",
+        "|---|---|---|---|---|---|",
+        *_gain_rows(items, cells_rows),
+      ]
+    avg = averages(cells_rows)
+    if avg:
+      lines += [
+        "",
+        "### Per estimator (vs MC) and per divergence (vs TV), averaged relative gains",
+        "",
+        "| comparison | seeds | final [95% CI] | final reads | AUC [95% CI] |",
+        "|---|---|---|---|---|",
+        *_gain_rows(avg, cells_rows),
+      ]
+    lines += [
+      "",
+      f"Plots: [heatmap](plots/{tag}_heatmap.png), [learning curves](plots/{tag}_curves.png), "
+      f"[masked fraction](plots/{tag}_masked.png).",
+    ]
+  failed = [r for r in rows if r["status"].startswith("failed")]
+  if failed:
+    lines += [
+      "",
+      "Failed runs (see train.log in each folder): " + ", ".join(r["run"] for r in failed),
+    ]
+  return "\n".join(lines) + "\n"
+
+
+def _cell_table(grows: Sequence[dict], cells_rows: dict[str, dict[int, dict]]) -> list[str]:
+  ref = REFERENCE if REFERENCE in cells_rows else None
+  lines = [
+    f"| cell | delta | seeds | final [95% CI] | AUC [95% CI] | final - {REFERENCE} (paired) "
+    f"| AUC - {REFERENCE} (paired) | masked | wall per run |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  order = [*GRID, NONE, *presets.names()]
+  cells = sorted({r["cell"] for r in grows}, key=lambda c: order.index(c) if c in order else 99)
+  for cell in cells:
+    runs = [r for r in grows if r["cell"] == cell]
+    fin = cells_rows.get(cell, {})
+    lo, hi = runs[0]["delta_low"], runs[0]["delta_high"]
+    delta = f"{lo:.4g}" if lo == hi else f"{lo:.4g} / {hi:.4g}"
+    cols = [cell, delta, f"{len(fin)}" + (f" of {len(runs)}" if len(runs) != len(fin) else "")]
+    for metric, _ in METRICS:
+      vals = [r[metric] for r in fin.values()]
+      cols.append(_pct(*stats.mean_ci(vals)) if vals else "n/a")
+    for metric, _ in METRICS:
+      if ref is None or cell == ref or not fin:
+        cols.append("")
+        continue
+      seeds, x = paired(cells_rows, [cell, ref], metric)
+      if not seeds:
+        cols.append("no common seed")
+        continue
+      d, dlo, dhi = stats.paired_difference_ci(x[:, 0], x[:, 1])
+      cols.append(_pct(d, dlo, dhi, sign=True) + f" (n={len(seeds)})")
+    masked = [r["masked_late"] for r in fin.values() if math.isfinite(r["masked_late"])]
+    walls = [r["wall_s"] for r in runs if math.isfinite(r["wall_s"])]
+    cols.append(f"{100 * np.mean(masked):.1f}%" if masked else "n/a")
+    cols.append(duration(float(np.mean(walls))) if walls else "n/a")
+    lines.append("| " + " | ".join(cols) + " |")
+  return lines
+
+
+def _aligned(runs: Sequence[dict], xs: str, ys: str, smooth: int = 1):
+  """(steps [points], values [seeds, points]) of the runs' series, cut to the shortest one and
+  smoothed by a trailing moving average over `smooth` points."""
+  n = min(len(r[ys]) for r in runs)
+  if n == 0:
+    return np.zeros(0), np.zeros((len(runs), 0))
+  vals = np.array([r[ys][:n] for r in runs], np.float64)
+  if smooth > 1:
+    kernel = np.ones(smooth) / smooth
+    vals = np.array([np.convolve(v, kernel, mode="valid") for v in vals])
+    return np.asarray(runs[0][xs][smooth - 1 : n], np.float64), vals
+  return np.asarray(runs[0][xs][:n], np.float64), vals
+
+
+def _panels(cells: Sequence[str]) -> list[tuple[str, list[str]]]:
+  """(title, cells) per panel: one per divergence of the grid cells, one for the rest."""
+  out = []
+  for d in DIVERGENCES:
+    here = [c for c in cells if c in GRID and c.startswith(d + "_")]
+    if here:
+      out.append((d, here))
+  rest = [c for c in cells if c not in GRID and c != NONE]
+  if rest or not out:
+    out.append(("presets" if rest else NONE, rest))
+  return out
+
+
+def _color(cell: str) -> str:
+  if cell == NONE:
+    return "0.45"
+  if cell in GRID:
+    return f"C{ESTIMATORS.index(cell.split('_', 1)[1])}"
+  names = presets.names()
+  return f"C{3 + names.index(cell) % 7}" if cell in names else "k"
+
+
+def write_plots(plot_dir: str, rows: Sequence[dict]) -> list[str]:
+  """Per radius setting: `<tag>_heatmap.png` (divergence x estimator, final and AUC accuracy),
+  `<tag>_curves.png` (held-out accuracy along the run, mean over seeds with its 95% band) and
+  `<tag>_masked.png` (masked fraction of the later mini-batches, smoothed, with its band)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(plot_dir, exist_ok=True)
+  paths = []
+  for group in groups(rows):
+    tag = group_tag(group)
+    cells_rows = by_cell(r for r in rows if in_group(r, group))
+    order = [*GRID, NONE, *presets.names()]
+    cells = sorted(cells_rows, key=lambda c: order.index(c) if c in order else 99)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    for ax, (metric, label) in zip(axes, METRICS, strict=True):
+      grid = np.full((len(DIVERGENCES), len(ESTIMATORS)), np.nan)
+      for i, d in enumerate(DIVERGENCES):
+        for j, e in enumerate(ESTIMATORS):
+          runs = cells_rows.get(f"{d}_{e}", {})
+          if runs:
+            m, lo, hi = stats.mean_ci([r[metric] for r in runs.values()])
+            grid[i, j] = m
+            band = f"\n[{100 * lo:.1f}, {100 * hi:.1f}]" if math.isfinite(lo) else ""
+            ax.text(
+              j,
+              i,
+              f"{100 * m:.1f}{band}\nn={len(runs)}",
+              ha="center",
+              va="center",
+              fontsize=8,
+              color="w" if m < np.nanmean(grid[np.isfinite(grid)]) else "k",
+            )
+          else:
+            ax.text(j, i, "-", ha="center", va="center", color="0.5")
+      im = ax.imshow(100 * np.ma.masked_invalid(grid), cmap="viridis", aspect="auto")
+      fig.colorbar(im, ax=ax, label="%")
+      ax.set_xticks(range(len(ESTIMATORS)), ESTIMATORS)
+      ax.set_yticks(range(len(DIVERGENCES)), DIVERGENCES)
+      ax.set_title(f"{label}\nmean over seeds [95% CI]", fontsize=9)
+    fig.suptitle(f"Held-out accuracy per cell, radius {tag}")
+    fig.tight_layout()
+    paths.append(os.path.join(plot_dir, f"{tag}_heatmap.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    for kind, xs, ys, ylabel in (
+      ("curves", "curve_steps", "curve", "held-out greedy accuracy (%)"),
+      ("masked", "masked_steps", "masked", "masked fraction, later mini-batches (%)"),
+    ):
+      panels = _panels(cells)
+      width = max(7.0, 4.2 * len(panels))
+      fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.8), squeeze=False)
+      for ax, (title, members) in zip(axes[0], panels, strict=True):
+        for cell in [*members, *([NONE] if NONE in cells_rows else [])]:
+          runs = list(cells_rows[cell].values())
+          longest = max(len(r[ys]) for r in runs)
+          smooth = max(1, longest // 40) if kind == "masked" else 1
+          steps, vals = _aligned(runs, xs, ys, smooth)
+          if not steps.size:
+            continue
+          mean, lo, hi = stats.curve_band(vals, n_boot=2000)
+          style = {"color": _color(cell), "ls": "--" if cell == NONE else "-"}
+          ax.plot(steps, 100 * mean, label=f"{cell} (n={len(runs)})", lw=1.6, **style)
+          if np.isfinite(lo).all():
+            ax.fill_between(steps, 100 * lo, 100 * hi, color=style["color"], alpha=0.2, lw=0)
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+      what = "mean over seeds, 95% band" + (", moving average" if kind == "masked" else "")
+      fig.suptitle(
+        f"{'Learning curves' if kind == 'curves' else 'Masked fraction'}, radius {tag} ({what})"
+      )
+      fig.tight_layout()
+      paths.append(os.path.join(plot_dir, f"{tag}_{kind}.png"))
+      fig.savefig(paths[-1], dpi=100)
+      plt.close(fig)
+  return paths
+
+
+def write_outputs(out: str, sweep: dict | None = None) -> dict[str, Any]:
+  """runs.csv, results.md and plots/ of the run folders under `out`; returns their paths."""
+  rows = collect(out)
+  if not rows:
+    raise errors.MissingFileError(f"no sweep runs under {os.path.join(out, 'runs')}")
+  sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
+  write_runs_csv(os.path.join(out, "runs.csv"), rows)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(results_markdown(rows, sweep))
+  plots = write_plots(os.path.join(out, "plots"), rows)
+  return {
+    "runs_csv": os.path.join(out, "runs.csv"),
+    "results_md": os.path.join(out, "results.md"),
+    "plots": plots,
+    "runs": len(rows),
+    "finished": sum(r["status"] == "done" for r in rows),
+  }
