@@ -18,14 +18,17 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           --scales multiplies the delta (under equal_tv: tv_mc's delta, and the others follow its TV
           radius). Presets scale their own radii; `none` has none.
   seeds   --seeds 0-7 or 0,3,5. Common random numbers: config.seed fixes the prompt order
-          (envs.BuiltinEnv draws iteration i's prompts from rng([seed, i])), the rollout and update
-          keys (fold_in(PRNGKey(seed), iteration)) and the evaluation's sampling key, and the held-
-          out problems are the same for every run (eval seed 12345). warmstart.seed fixes the
-          starting policy (initial weights and the warm start's batches and keys). --start per_seed
-          (default) sets warmstart.seed = seed: each seed has its own start, shared by every cell;
-          --start shared sets it to 0: one start for all. Either way, runs with the same seed share
-          the starting policy, the prompts of every iteration and the random keys, so cells are
-          compared paired by seed.
+          (envs.BuiltinEnv draws its k-th batch of prompts from rng([seed, k]); a dataset's
+          PromptIterator shuffles with the seed), the rollout and update keys (fold_in(PRNGKey(
+          seed), iteration)) and the evaluation's sampling key; the held-out problems are the same
+          for every run (eval seed 12345). warmstart.seed fixes the starting policy (initial
+          weights, the warm start's batches and keys). --start per_seed (default) sets
+          warmstart.seed = seed: each seed has its own start, shared by every cell; --start shared
+          sets it to 0: one start for all. Either way, runs with the same seed share the starting
+          policy, the prompts of every iteration and the random keys, so cells are compared paired
+          by seed. (The prompts stay shared while every iteration draws one batch: DAPO refills,
+          advantage.filter_zero_signal with rollout.refill_rounds > 0, draw as many as the policy
+          needs, and the prompt streams of two cells part after the first refill.)
   --set   any config override, `--set optim.lr=3e-4` -> `--config.optim.lr=3e-4` (applied last).
 
 The default budget: the 12 cells and `none` x seeds 0-2 (39 runs) of the default config
@@ -56,6 +59,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -184,9 +188,7 @@ def parse_scales(text: str) -> list[float]:
 
 def parse_overrides(items: Iterable[str]) -> tuple[str, ...]:
   """`KEY=VALUE` config overrides, each KEY a field of the base config (e.g. optim.lr)."""
-  from gppo_jax import config_lib  # ml_collections only
-
-  base = config_lib.base()
+  base = _base_config()
   out = []
   for item in items:
     key, eq, value = item.partition("=")
@@ -272,6 +274,14 @@ def radii(run: Run, eps: float = 0.2) -> tuple[float, float]:
   return delta, delta
 
 
+@functools.lru_cache(maxsize=1)
+def _base_config():
+  """configs/base.py's config (ml_collections only, no jax)."""
+  from gppo_jax import config_lib
+
+  return config_lib.base()
+
+
 def _preset(cell: str) -> presets.Preset:
   if cell == NONE:
     return presets.cell(*REFERENCE.split("_"))
@@ -291,7 +301,7 @@ def train_args(run: Run, settings: Settings) -> list[str]:
   seeds, the cell's loss (every field that differs from the base config's, and always the
   divergence, estimator and radii), its advantage, then the sweep's overrides."""
   preset = _preset(run.cell)
-  base = presets.cell("kl", "atomic")  # what configs/base.py holds
+  base = _base_config()
   low, high = radii(run, settings.eps)
   args = [
     f"--config={BASE_CONFIG}",
@@ -306,11 +316,11 @@ def train_args(run: Run, settings: Settings) -> list[str]:
     if field.name in ("divergence", "estimator", "delta_low", "delta_high"):
       continue
     value = getattr(preset.loss, field.name)
-    if value != getattr(base.loss, field.name):
+    if value != base.loss.get(field.name):
       if value is None:
         raise ValueError(f"cannot override loss.{field.name} to None from the command line")
       args.append(f"--config.loss.{field.name}={_value(value)}")
-  if preset.advantage != base.advantage:
+  if preset.advantage != base.advantage.name:
     args.append(f"--config.advantage.name={preset.advantage}")
   return args + [f"--config.{o}" for o in settings.overrides]
 
@@ -475,7 +485,8 @@ def execute(
       walls.append(wall)
     echo(_progress_line(job.run, path, status[job.run], wall, finished, total, t0, walls, jobs))
 
-  old_term = signal.signal(signal.SIGTERM, _raise_stop)
+  main_thread = threading.current_thread() is threading.main_thread()
+  old_term = signal.signal(signal.SIGTERM, _raise_stop) if main_thread else None
   try:
     while todo or running:
       while len(running) < jobs:
@@ -511,7 +522,8 @@ def execute(
       raise
     raise SweepStopped(str(e) or type(e).__name__) from None
   finally:
-    signal.signal(signal.SIGTERM, old_term)
+    if main_thread:
+      signal.signal(signal.SIGTERM, old_term)
   return status
 
 
