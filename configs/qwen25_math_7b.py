@@ -1,12 +1,16 @@
-"""KL-Atomic GPPO on Qwen2.5-Math-7B with real math data, for a TPU v5p-64 slice or an 8-GPU host.
+"""GPPO on Qwen2.5-Math-7B with the math recipe's data, for a TPU v5p-64 slice or an 8-GPU host.
 
-  python -m gppo_jax.train --config=configs/qwen25_math_7b.py:v5p64 \
-      --config.model.path=/data/models/Qwen2.5-Math-7B \
-      --config.data.train_path=/data/math/train.jsonl
+  python -m gppo_jax.train --config=configs/qwen25_math_7b.py:v5p64,cell=kl_atomic
+  python -m gppo_jax.train --config=configs/qwen25_math_7b.py:gpu8,cell=dapo
   python -m gppo_jax.plan --config=configs/qwen25_math_7b.py:gpu8 --platform=h200
+  python -m gppo_jax.evaluate --config=configs/qwen25_math_7b.py:gpu8   # the base model itself
 
-The argument picks the hardware variant (v5p64 | gpu8; default v5p64) plus config_lib's own
-options (smoke, ...), e.g. `:gpu8,smoke`. Paths are placeholders: see launch/README.md.
+The argument: the hardware variant (v5p64 | gpu8; default v5p64), `cell=NAME` (any of the 12
+grid cells, e.g. kl_atomic, tv_mc, chi2_binary, or a preset: ppo, grpo, dapo, dapo_kl, dppo,
+dppo_kl, ripo; default kl_atomic) and `smoke`, e.g. `:gpu8,cell=tv_atomic,smoke`. Trained on
+DAPO-Math-17k, evaluated on MATH-500, AIME 2024/2025, AMC 2023, Minerva Math and OlympiadBench;
+the files are where `python -m gppo_jax.prepare_data NAME --out /data/{train,eval}/NAME.jsonl`
+writes them, the model under /data/models (see launch/README.md).
 """
 
 from gppo_jax import config_lib

@@ -1,12 +1,11 @@
-"""KL-Atomic GPPO on Qwen3-8B with real math data, for a TPU v5p-64 slice or an 8-GPU host.
+"""GPPO on Qwen3-8B with the math recipe's data, for a TPU v5p-64 slice or an 8-GPU host.
 
-  python -m gppo_jax.train --config=configs/qwen3_8b.py:v5p64 \
-      --config.model.path=/data/models/Qwen3-8B \
-      --config.data.train_path=/data/math/train.jsonl
+  python -m gppo_jax.train --config=configs/qwen3_8b.py:v5p64,cell=kl_atomic
   python -m gppo_jax.plan --config=configs/qwen3_8b.py:gpu8 --platform=h200
 
-The argument picks the hardware variant (v5p64 | gpu8; default v5p64) plus config_lib's own
-options (smoke, ...), e.g. `:gpu8,smoke`. Paths are placeholders: see launch/README.md.
+The argument: the hardware variant (v5p64 | gpu8; default v5p64), `cell=NAME` (a grid cell such as
+kl_atomic or a preset such as dapo; default kl_atomic) and `smoke`, e.g. `:gpu8,cell=ripo,smoke`.
+Data and evaluation as configs/qwen25_math_7b.py; paths are placeholders: see launch/README.md.
 """
 
 from gppo_jax import config_lib

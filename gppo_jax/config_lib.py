@@ -366,11 +366,13 @@ def _check_eval_relations(e: ml_collections.ConfigDict) -> None:
     )
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
+def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   """Raises a ConfigError (a ValueError) naming every missing or invalid field of a config.
 
   Runs before anything is built (warm start, model load, data): names are checked against the
-  registries and every numeric field against its valid range (NaN never passes).
+  registries and every numeric field against its valid range (NaN never passes). `evaluating`:
+  the config of `python -m gppo_jax.evaluate`, which may evaluate model.path on data.eval_path
+  alone (no training data).
   """
   missing = []
   for section, fields in REQUIRED.items():
@@ -505,11 +507,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "loss.estimator='exact' is a diagnostic (estimators.estimate over the full vocabulary), "
       "not a trust region for training (use e.g. atomic)"
     )
-  if c.data.train_path is None and c.model.path is not None:
+  eval_only = evaluating and c.model.path is not None  # model.path on eval files, no training
+  if eval_only and c.data.eval_path is None:
+    raise errors.ConfigError("evaluating model.path needs data.eval_path (NAME=PATH,... or PATH)")
+  if c.data.train_path is None and c.model.path is not None and not eval_only:
     raise errors.ConfigError(
       "model.path is set but data.train_path is not: a real model needs real data"
     )
-  if c.data.train_path is None and c.data.eval_path is not None:
+  if c.data.train_path is None and c.data.eval_path is not None and not eval_only:
     raise errors.ConfigError(
       "data.eval_path is set but data.train_path is not: the built-in task has its own eval set"
     )
@@ -517,9 +522,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 # The grid's 12 cells by config-file name (configs/{divergence}_{estimator}.py).
 GRID_CELLS: dict[str, tuple[str, str]] = {
-  f"{d}_{e}": (d, e)
-  for d in ("tv", "kl", "hellinger", "chi2")
-  for e in ("mc", "binary", "atomic")
+  f"{d}_{e}": (d, e) for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary", "atomic")
 }
 
 

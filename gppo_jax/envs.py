@@ -154,20 +154,24 @@ class DataEnv:
       max_prompt_tokens=data_cfg.max_prompt_tokens,
       check_answers=check,
     )
-    train = data_lib.load_dataset(data_cfg.train_path, **load)
-    if len(train.examples) < batch_size:
-      raise errors.DataError(
-        f"{data_cfg.train_path}: {len(train.examples)} usable prompts, fewer than "
-        f"rollout.prompts_per_iter={batch_size} drawn per iteration"
-      )
-    self._iter = data_lib.PromptIterator(train.examples, batch_size, seed=seed)
+    # No data.train_path: an evaluation-only env (`python -m gppo_jax.evaluate` on a model).
+    train_examples, self._iter = [], None
+    if data_cfg.train_path is not None:
+      train_examples = data_lib.load_dataset(data_cfg.train_path, **load).examples
+      if len(train_examples) < batch_size:
+        raise errors.DataError(
+          f"{data_cfg.train_path}: {len(train_examples)} usable prompts, fewer than "
+          f"rollout.prompts_per_iter={batch_size} drawn per iteration"
+        )
+      self._iter = data_lib.PromptIterator(train_examples, batch_size, seed=seed)
     self._eval = []
     for name, path in parse_eval_paths(data_cfg.eval_path):
       evals = data_lib.load_dataset(path, **load)
       self._eval += [dataclasses.replace(self._prompt(e), benchmark=name) for e in evals.examples]
-    longest = max(len(e.token_ids) for e in train.examples)
-    if self._eval:
-      longest = max(longest, max(len(p.token_ids) for p in self._eval))
+    lengths = [len(e.token_ids) for e in train_examples] + [len(p.token_ids) for p in self._eval]
+    if not lengths:
+      raise errors.ConfigError("no data: set data.train_path or data.eval_path")
+    longest = max(lengths)
     self.max_prompt_len = -(-longest // 64) * 64  # one compiled sampler per 64-token bucket
     self.max_new_tokens = max_new_tokens
     if self.kind == "code":
@@ -180,6 +184,8 @@ class DataEnv:
     return Prompt(list(e.token_ids), e.answer if e.answer is not None else e.tests, e.text)
 
   def train_prompts(self, n: int) -> list[Prompt]:
+    if self._iter is None:
+      raise errors.ConfigError("no data.train_path: this environment only evaluates")
     batch = next(self._iter)
     if len(batch) != n:
       raise ValueError(f"data iterator returned {len(batch)} prompts, expected {n}")
@@ -207,7 +213,7 @@ class DataEnv:
     return rewards, valid, {f"reward/status_{k}": v for k, v in counts.items()}
 
   def state(self) -> dict:
-    return {"iterator": self._iter.state()}
+    return {"iterator": None if self._iter is None else self._iter.state()}
 
   def restore(self, state: dict) -> None:
     self._iter.restore(state["iterator"])
@@ -259,7 +265,7 @@ def _template_fn(tokenizer):
 
 def make_env(config, tokenizer=None) -> Env:
   """The environment a config describes: data files if data.train_path is set, else a task."""
-  if config.data.train_path is None:
+  if config.data.train_path is None and config.model.path is None:
     return BuiltinEnv(config.task.name, seed=config.seed, eval_size=config.eval.num_problems)
   if tokenizer is None:
     raise errors.ConfigError(

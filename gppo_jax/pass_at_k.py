@@ -129,9 +129,7 @@ def macro_estimate(parts: Sequence[Estimate]) -> Estimate:
   b = len(parts)
   per_seed = np.mean([e.per_seed for e in parts], axis=0)
   se = math.sqrt(sum(e.se**2 for e in parts)) / b
-  return Estimate(
-    float(np.mean([e.mean for e in parts])), se, tuple(float(x) for x in per_seed)
-  )
+  return Estimate(float(np.mean([e.mean for e in parts])), se, tuple(float(x) for x in per_seed))
 
 
 @dataclasses.dataclass(frozen=True)

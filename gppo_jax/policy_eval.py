@@ -109,10 +109,16 @@ def benchmark_kinds(env, prompts: Sequence[Prompt]) -> dict[str, str]:
   return {b: k.pop() for b, k in kinds.items()}
 
 
+def solved(rewards: np.ndarray) -> np.ndarray:
+  """Correct responses: reward 1 (math: verified; built-in: exact; code: every test passed, not
+  the partial credit that the "fraction" reward gives in training)."""
+  return np.asarray(rewards, np.float64) >= 1.0 - 1e-6
+
+
 def _sample_correct(
   graphdef, params, env, prompts, sampling, key, n, batch_size, common
 ) -> np.ndarray:
-  """[P, n] bool: n responses per prompt (rows p*n ... p*n + n - 1), reward > 0.5."""
+  """[P, n] bool: n responses per prompt (rows p*n ... p*n + n - 1), each `solved`."""
   tok = env.tokenizer
   rep = [p for p in prompts for _ in range(n)]
   out = sampler.sample_prompts(
@@ -125,7 +131,7 @@ def _sample_correct(
   )
   texts = decode_responses(tok, out.tokens, out.mask, sampling.stop_ids)
   r, _, _ = env.score(texts, rep)
-  return np.asarray(r).reshape(len(prompts), n) > 0.5
+  return solved(r).reshape(len(prompts), n)
 
 
 def evaluate_benchmarks(
@@ -146,8 +152,9 @@ def evaluate_benchmarks(
   by side, so that a setting reproduces the same numbers however it is reached.
 
   `sample_fn`: a `sampler.MeshSampler` to sample on a mesh (multi-host safe: every process gets
-  the same report). Sampled responses the scorer could not judge count as wrong; greedy ones are
-  left out of the accuracy (as in training, where they carry no reward).
+  the same report). A response is correct when `solved` (reward 1). Sampled responses the scorer
+  could not judge count as wrong; greedy ones are left out of the accuracy (as in training, where
+  they carry no reward).
   """
   prompts = env.eval_prompts() if prompts is None else list(prompts)
   if not prompts:
@@ -167,7 +174,9 @@ def evaluate_benchmarks(
   if len(keys) != len(s.seeds):
     raise ValueError(f"{len(keys)} keys for {len(s.seeds)} seeds")
   greedy = sampler.SamplingParams(max_new, greedy=True, stop_ids=stop_ids, pad_id=pad_id)
-  out = sampler.sample_prompts(graphdef, params, [p.token_ids for p in prompts], greedy, keys[0], **common)
+  out = sampler.sample_prompts(
+    graphdef, params, [p.token_ids for p in prompts], greedy, keys[0], **common
+  )
   rewards, valid, _ = env.score(decode_responses(tok, out.tokens, out.mask, stop_ids), prompts)
   correct = None
   if s.n > 0:
@@ -197,7 +206,7 @@ def evaluate_benchmarks(
     return pass_at_k.score_benchmark(
       name,
       kind,
-      np.asarray(rewards)[sel],
+      solved(rewards)[sel].astype(np.float64),
       np.asarray(valid, bool)[sel],
       None if correct is None else correct[:, sel],
       s.ks,

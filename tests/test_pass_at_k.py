@@ -95,7 +95,9 @@ def test_estimate_takes_the_standard_error_over_problems_after_averaging_seeds()
 def test_macro_average_is_the_mean_of_benchmarks_not_of_problems():
   big = score_benchmark("math500", "math", np.ones(4), np.ones(4, bool), None, ())
   small = score_benchmark("aime24", "math", np.zeros(2), np.ones(2, bool), None, ())
-  pooled = score_benchmark("all", "math", np.r_[np.ones(4), np.zeros(2)], np.ones(6, bool), None, ())
+  pooled = score_benchmark(
+    "all", "math", np.r_[np.ones(4), np.zeros(2)], np.ones(6, bool), None, ()
+  )
   report = make_report(pooled, [big, small])
   (macro,) = report.macro
   assert macro.accuracy.mean == 0.5 and pooled.accuracy.mean == pytest.approx(4 / 6)

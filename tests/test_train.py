@@ -241,12 +241,14 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   assert "4" in os.listdir(os.path.join(wd, "checkpoints"))
   # The resumed optimizer step count continues from the checkpoint.
   assert lines2[-1]["optim/steps"] == 4 * c.train.epochs * c.train.minibatches
-  # `python -m gppo_jax.evaluate` reads the latest checkpoint and reports the decoding settings.
+  # `python -m gppo_jax.evaluate` reads the latest checkpoint and reports the protocol.
   report = evaluate.evaluate_checkpoint(c, wd)
-  assert report["num_problems"] == c.eval.num_problems
-  assert report["decoding"]["k"] == c.eval.k and 0.0 <= report["eval/accuracy"] <= 1.0
-  assert f"eval/pass@{c.eval.k}" in report
-  np.testing.assert_allclose(report["eval/accuracy"], summary2["final_eval"]["eval/accuracy"])
+  assert report["num_problems"] == c.eval.num_problems and report["source"]["step"] == 4
+  assert report["protocol"]["k"] == list(c.eval.k) and 0.0 <= report["metrics"]["eval/accuracy"] <= 1
+  assert f"eval/pass@{c.eval.k[0]}" in report["metrics"]
+  np.testing.assert_allclose(
+    report["metrics"]["eval/accuracy"], summary2["final_eval"]["eval/accuracy"]
+  )
 
 
 def learning_config(divergence: str, estimator: str, cache_dir: str, lr: float):
