@@ -1,4 +1,4 @@
-"""KV-cached autoregressive sampler: one jitted prefill plus a `lax.while_loop` decode.
+"""KV-cached autoregressive sampler: one prefill per prompt, a bucketed `lax.while_loop` decode.
 
 Every way of drawing responses lives here:
 
@@ -17,6 +17,16 @@ drawn from the *truncated* renormalised distribution, which differs from softmax
 `logprobs_mode="truncated"` to get log-probs (and top-K) under the distribution really sampled from.
 Greedy decoding ignores T; its log-probs (and top-K) are under softmax(logits), i.e. T = 1.
 
+What a call costs. The prompt is run once per group of identical consecutive rows (`group_size`:
+the trainer's G samples of a prompt) and its KV cache and first-token logits are broadcast to the
+group's rows; the rows still draw different tokens (each row has its own uniform per step). The
+decode does not run on a cache of prompt + max_new_tokens slots from the start: a single-token
+step attends over every slot it is given, filled or not, so it runs on buckets of prompt +
+`first_bucket` * 2^i slots (`decode_buckets`), one `lax.while_loop` per bucket, the cache padded
+to the next bucket when one fills. A step then costs about what the filled length costs (within a
+factor 2), at one compiled loop body per bucket (log2(max_new_tokens / first_bucket) + 1 of them,
+all in the one program). Every loop stops as soon as every row has met a stop token.
+
 Padding follows the project convention: prompts are left-padded (mask False on pads), positions are
 max(cumsum(mask) - 1, 0), and the response is right-padded with `pad_id` after the stop token.
 """
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +50,8 @@ from gppo_jax import model as model_lib
 from gppo_jax import partitioning, sharding
 
 LOGPROBS_MODES = ("tempered", "truncated")
+# Response slots of the first decode bucket; each further bucket doubles it (see `decode_buckets`).
+FIRST_BUCKET = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +149,31 @@ def left_pad(
     tokens[i, length - len(p) :] = np.asarray(p, np.int32)
     mask[i, length - len(p) :] = True
   return tokens, mask
+
+
+def decode_buckets(max_new_tokens: int, first: int = FIRST_BUCKET) -> tuple[int, ...]:
+  """Response capacities of the decode's cache buckets: first, 2 first, 4 first, ... then
+  max_new_tokens (the last). The bucket of capacity c holds prompt + c - 1 slots and draws the
+  response tokens up to index c - 1 (the last token drawn is never fed back, so needs no slot)."""
+  if first < 1:
+    raise ValueError(f"first bucket must be >= 1, got {first}")
+  sizes = []
+  c = first
+  while c < max_new_tokens:
+    sizes.append(c)
+    c *= 2
+  return (*sizes, max_new_tokens)
+
+
+def detect_group_size(prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> int:
+  """The largest G such that rows come in runs of G identical (tokens, mask) rows from row 0: the
+  layout of G samples per prompt (`[p for p in prompts for _ in range(G)]`); 1 if none. Host
+  numpy only (a gcd of run lengths, O(B P))."""
+  tokens = np.asarray(prompt_tokens)
+  mask = np.asarray(prompt_mask, bool)
+  same = np.all((tokens[1:] == tokens[:-1]) & (mask[1:] == mask[:-1]), axis=-1)  # [B - 1]
+  starts = np.flatnonzero(np.concatenate([[True], ~same, [True]]))  # run boundaries
+  return int(functools.reduce(math.gcd, np.diff(starts).tolist(), 0)) or 1
 
 
 def _truncation_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array | None:
@@ -248,6 +286,38 @@ def _record(state: SamplerState, token, logprob, topk, p: SamplingParams) -> Sam
   )
 
 
+def _prefill(model, tokens, mask, positions, group_size: int):
+  """Runs each group's prompt once: (cache of B rows x P slots, first-token logits f32 [B, V]).
+
+  tokens / mask / positions [B, P] hold B / group_size groups of identical consecutive rows; the
+  first row of each group is run and its cache and last logits are repeated over the group.
+  """
+  batch, prompt_len = tokens.shape
+  if group_size > 1:
+    first = lambda x: x.reshape(batch // group_size, group_size, *x.shape[1:])[:, 0]
+    tokens, mask, positions = first(tokens), first(mask), first(positions)
+  tokens, mask, positions = partitioning.constrain_batch((tokens, mask, positions))
+  cache = model_lib.init_cache(model.cfg, tokens.shape[0], prompt_len)
+  hidden, cache = model(tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0))
+  logits = model.logits(hidden[:, -1]).astype(jnp.float32)
+  if group_size > 1:
+    rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis, total_repeat_length=batch)
+    cache = model_lib.KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), mask=rep(cache.mask, 0))
+    logits = rep(logits, 0)
+  return cache, logits
+
+
+def _grow(cache: model_lib.KVCache, slots: int) -> model_lib.KVCache:
+  """The cache padded with empty slots (zeros, mask False) to `slots` slots."""
+  extra = slots - cache.mask.shape[1]
+  if extra <= 0:
+    return cache
+  pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+  return model_lib.KVCache(
+    k=pad_kv(cache.k), v=pad_kv(cache.v), mask=jnp.pad(cache.mask, ((0, 0), (0, extra)))
+  )
+
+
 def sample(
   graphdef: nnx.GraphDef,
   params: nnx.State,
@@ -255,32 +325,39 @@ def sample(
   prompt_mask: jax.Array,
   rng: jax.Array,
   sampling: SamplingParams,
+  *,
+  group_size: int = 1,
+  first_bucket: int = FIRST_BUCKET,
 ) -> SampleOutput:
-  """Pure functional sampler: jit it with `graphdef` and `sampling` static, or call it inside jit.
+  """Pure functional sampler: jit it with `graphdef`, `sampling`, `group_size` and `first_bucket`
+  static, or call it inside jit.
 
   prompt_tokens int32 [B, P] and prompt_mask bool [B, P] are left-padded; every row needs at least
-  one real token. Token s is drawn with key fold_in(rng, s): equal rngs give equal output.
+  one real token. Token s is drawn with key fold_in(rng, s): equal rngs give equal output, and the
+  output does not depend on `group_size` or `first_bucket` (up to float rounding).
+  group_size: G when rows come in B / G runs of G identical prompts (`detect_group_size`): each
+  prompt's prefill runs once. Rows that differ within a run would get the run's first prompt.
+  first_bucket: response slots of the first decode bucket (`decode_buckets`); >= max_new_tokens
+  decodes on one cache of P + max_new_tokens - 1 slots.
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
   if sampling.num_topk > cfg.vocab_size:
     raise ValueError(f"num_topk={sampling.num_topk} exceeds the vocabulary ({cfg.vocab_size})")
   batch, prompt_len = prompt_tokens.shape
+  if group_size < 1 or batch % group_size:
+    raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({batch} rows)")
   n = sampling.max_new_tokens
+  buckets = decode_buckets(n, first_bucket)
   prompt_tokens = prompt_tokens.astype(jnp.int32)
   prompt_mask = prompt_mask.astype(bool)
   positions = model_lib.positions_from_mask(prompt_mask)
 
-  cache = model_lib.init_cache(cfg, batch, prompt_len + n)
-  hidden, cache = model(
-    prompt_tokens, positions, attn_mask=prompt_mask, cache=cache, cache_index=jnp.int32(0)
-  )
-  logits = model.logits(hidden[:, -1]).astype(jnp.float32)
-
+  cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
   k = sampling.num_topk
   state = SamplerState(
     step=jnp.int32(0),
-    cache=cache,
+    cache=_grow(cache, prompt_len + buckets[0] - 1),
     last_token=jnp.zeros((batch,), jnp.int32),
     position=positions[:, -1],
     done=jnp.zeros((batch,), bool),
@@ -291,9 +368,6 @@ def sample(
     topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
   )
   state = _record(state, *_sample_token(logits, jax.random.fold_in(rng, 0), sampling), sampling)
-
-  def cond(s: SamplerState):
-    return (s.step < n) & ~jnp.all(s.done)
 
   def body(s: SamplerState) -> SamplerState:
     # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
@@ -308,7 +382,12 @@ def sample(
     drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
     return _record(s.replace(cache=new_cache), *drawn, sampling)
 
-  state = jax.lax.while_loop(cond, body, state)
+  for i, capacity in enumerate(buckets):
+    # Steps 1 .. capacity - 1 write cache slots up to P + capacity - 2: this bucket's last slot.
+    if i:
+      state = state.replace(cache=_grow(state.cache, prompt_len + capacity - 1))
+    cond = lambda s, capacity=capacity: (s.step < capacity) & ~jnp.all(s.done)
+    state = jax.lax.while_loop(cond, body, state)
   return SampleOutput(
     tokens=state.tokens,
     logprobs=state.logprobs,
@@ -319,7 +398,6 @@ def sample(
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
 def sample_jit(
   graphdef: nnx.GraphDef,
   params: nnx.State,
@@ -327,9 +405,23 @@ def sample_jit(
   prompt_mask: jax.Array,
   rng: jax.Array,
   sampling: SamplingParams,
+  *,
+  group_size: int = 1,
+  first_bucket: int = FIRST_BUCKET,
 ) -> SampleOutput:
-  """`sample` compiled for the default device: one compile per (graphdef, sampling, shapes)."""
-  return sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+  """`sample` compiled for the default device: one compile per (graphdef, sampling, group_size,
+  first_bucket, shapes), however the keywords are spelled."""
+  return _sample_jit(
+    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, first_bucket
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
+def _sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, bucket):
+  return sample(
+    graphdef, params, prompt_tokens, prompt_mask, rng, sampling,
+    group_size=group_size, first_bucket=bucket,
+  )  # fmt: skip
 
 
 def generate(
@@ -347,10 +439,12 @@ def generate(
   pad_id: int | None = None,
   num_topk: int = 0,
   logprobs_mode: str = "tempered",
+  group_size: int | None = None,
 ) -> SampleOutput:
   """Samples up to `max_new_tokens` per left-padded prompt with a jitted KV-cached decode.
 
   stop_ids=None stops on the model config's eos_token_ids; pad_id=None uses its pad_token_id.
+  group_size=None detects runs of identical prompts (`detect_group_size`) on concrete inputs.
   """
   cfg = model.cfg
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
@@ -359,9 +453,12 @@ def generate(
     raise ValueError(
       f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be [B, P]"
     )
-  if not isinstance(prompt_mask, jax.core.Tracer):
-    if not bool(jnp.all(prompt_mask[:, -1])):
-      raise ValueError("prompts must be left-padded: prompt_mask[:, -1] must be True in every row")
+  concrete = not isinstance(prompt_mask, jax.core.Tracer)
+  if concrete and not bool(jnp.all(prompt_mask[:, -1])):
+    raise ValueError("prompts must be left-padded: prompt_mask[:, -1] must be True in every row")
+  if group_size is None:
+    concrete = concrete and not isinstance(prompt_tokens, jax.core.Tracer)
+    group_size = detect_group_size(prompt_tokens, prompt_mask) if concrete else 1
   sampling = SamplingParams(
     max_new_tokens=max_new_tokens,
     temperature=temperature,
@@ -374,7 +471,9 @@ def generate(
     logprobs_mode=logprobs_mode,
   )
   graphdef, params = nnx.split(model)
-  return sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+  return sample_jit(
+    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size=group_size
+  )
 
 
 class MeshSampler:
@@ -382,7 +481,8 @@ class MeshSampler:
 
   Every process passes the same full prompt arrays (left-padded numpy); each feeds its own rows,
   the sampler runs sharded over data x fsdp, and every process gets the full outputs back as numpy.
-  One compiled sampler (and this process's row slice) is kept per (sampling params, batch size).
+  One compiled sampler (and this process's row slice) is kept per (sampling params, batch size,
+  group size).
   """
 
   def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any):
@@ -390,7 +490,7 @@ class MeshSampler:
     self.param_shardings = param_shardings
     self.mesh = jax.tree.leaves(param_shardings)[0].mesh
     self.batch_multiple = sharding.batch_shards(self.mesh)
-    self._compiled: dict[tuple[SamplingParams, int], tuple[Callable, slice]] = {}
+    self._compiled: dict[tuple[SamplingParams, int, int], tuple[Callable, slice]] = {}
 
   def __call__(
     self,
@@ -399,17 +499,30 @@ class MeshSampler:
     prompt_mask: np.ndarray,
     rng: jax.Array,
     sampling: SamplingParams,
+    *,
+    group_size: int | None = None,
   ) -> SampleOutput:
+    """group_size: rows come in runs of this many identical prompts (the rollout's samples per
+    prompt), whose prefill then runs once; None detects it from the prompts (`detect_group_size`).
+    It is lowered to divide each batch shard's rows, so a group never spans two shards."""
     n = int(np.shape(prompt_tokens)[0])
     if n % self.batch_multiple and jax.process_count() > 1:
       raise ValueError(
         f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
         f"{dict(self.mesh.shape)}; use a multiple"
       )
-    if (sampling, n) not in self._compiled:
-      fn = jit_sampler(self.graphdef, sampling, self.param_shardings, n)
-      self._compiled[(sampling, n)] = fn, sharding.process_rows(n, self.mesh)
-    fn, rows = self._compiled[(sampling, n)]
+    if group_size is None:
+      group_size = detect_group_size(prompt_tokens, prompt_mask)
+    elif group_size < 1 or n % group_size:
+      raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({n} rows)")
+    spec = partitioning.batch_spec((n,), self.mesh)[0] or ()
+    shards = math.prod(self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
+    group_size = math.gcd(group_size, n // shards)
+    key = (sampling, n, group_size)
+    if key not in self._compiled:
+      fn = jit_sampler(self.graphdef, sampling, self.param_shardings, n, group_size=group_size)
+      self._compiled[key] = fn, sharding.process_rows(n, self.mesh)
+    fn, rows = self._compiled[key]
     dev = sharding.shard_batch(
       {"t": np.asarray(prompt_tokens)[rows], "m": np.asarray(prompt_mask)[rows]}, self.mesh
     )
@@ -421,10 +534,13 @@ def jit_sampler(
   sampling: SamplingParams,
   param_shardings: Any,
   batch_size: int,
+  *,
+  group_size: int = 1,
 ) -> Callable:
   """jit(params, prompt_tokens, prompt_mask, rng) -> SampleOutput with every array split over
   data x fsdp along the batch axis (the KV cache follows). Nothing is donated: the parameters are
-  reused by the update, and no output has an input's shape."""
+  reused by the update, and no output has an input's shape. group_size: as in `sample`; keep
+  batch_size / group_size a multiple of the batch shards so that groups stay on one shard."""
   mesh = jax.tree.leaves(param_shardings)[0].mesh
   rows = NamedSharding(mesh, partitioning.batch_spec((batch_size,), mesh))  # a prefix: any rank
   rep = sharding.replicated(mesh)
@@ -440,7 +556,9 @@ def jit_sampler(
 
   def sample_on_mesh(params, prompt_tokens, prompt_mask, rng):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return sample(graphdef, params, prompt_tokens, prompt_mask, rng, sampling)
+      return sample(
+        graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size=group_size
+      )
 
   return jax.jit(sample_on_mesh, in_shardings=(param_shardings, rows, rows, rep), out_shardings=out)
 
@@ -456,6 +574,7 @@ def sample_prompts(
   pad_id: int,
   batch_size: int | None = None,
   sample_fn: MeshSampler | None = None,
+  group_size: int | None = None,
 ) -> SampleOutput:
   """One response per prompt (token-id lists), as numpy arrays in prompt order.
 
@@ -463,7 +582,8 @@ def sample_prompts(
   last one padded by repetition) so one compiled sampler serves every call; batch b draws with
   fold_in(key, first row of b). With `sample_fn` (a `MeshSampler`) the batches run on its mesh,
   one host or many, the batch size rounded up to a multiple of its batch shards; without it, on
-  the default device through `sample_jit`.
+  the default device through `sample_jit`. group_size: runs of identical prompts share one
+  prefill; None detects them in each batch (`detect_group_size`).
   """
   tokens, mask = left_pad(prompts, pad_id=pad_id, length=prompt_len)
   n = len(prompts)
@@ -474,10 +594,12 @@ def sample_prompts(
   for start in range(0, n, bs):
     idx = np.arange(start, start + bs) % n
     sub_key = jax.random.fold_in(key, start)
+    t, m = tokens[idx], mask[idx]
+    g = detect_group_size(t, m) if group_size is None else math.gcd(group_size, bs, n)
     if sample_fn is None:
-      out = sample_jit(graphdef, params, tokens[idx], mask[idx], sub_key, sampling)
+      out = sample_jit(graphdef, params, t, m, sub_key, sampling, group_size=g)
     else:
-      out = sample_fn(params, tokens[idx], mask[idx], sub_key, sampling)
+      out = sample_fn(params, t, m, sub_key, sampling, group_size=g)
     take = min(bs, n - start)
     outs.append(jax.tree.map(lambda x, take=take: np.asarray(x)[:take], out))
   return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)

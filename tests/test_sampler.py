@@ -16,6 +16,7 @@ from gppo_jax import model as model_lib
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17]]  # left-padded to P = 8
 N = 12
 TEMPERATURE = 0.7
+TRUNCATED = dict(temperature=TEMPERATURE, top_k=5, top_p=0.5, num_topk=5, logprobs_mode="truncated")
 
 
 @pytest.fixture(scope="module")
@@ -223,9 +224,7 @@ def test_shapes_mask_and_lengths(outputs):
 
 def test_truncated_logprobs(model, prompts, outputs):
   """top-k + top-p: tokens come from the truncated set and the option returns its log-probs."""
-  out = outputs(
-    "truncated", temperature=TEMPERATURE, top_k=5, top_p=0.5, num_topk=5, logprobs_mode="truncated"
-  )
+  out = outputs("truncated", **TRUNCATED)
   ptoks, pmask = prompts
   tokens = jnp.concatenate([ptoks, out.tokens], axis=1)
   mask = jnp.concatenate([pmask, out.mask], axis=1)
@@ -283,3 +282,131 @@ def test_sampler_compiles_once_for_new_params_prompts_and_keys(model, monkeypatc
   # `generate` builds the same graphdef and SamplingParams, so it reuses that compile too.
   sampler.generate(model, tokens, mask, jax.random.key(9), **settings)
   assert traces == [sampling], f"{len(traces)} traces: {traces}"
+
+
+# --- Bucketed decode, shared prefill, early stop, the mesh path -----------------------------------
+
+GROUPED = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17], [40, 41]]  # 4 x G = 4
+G = 4
+
+
+def _sample(model, tokens, mask, sampling, key=0, **kw):
+  graphdef, params = nnx.split(model)
+  out = sampler.sample_jit(graphdef, params, tokens, mask, jax.random.key(key), sampling, **kw)
+  return jax.device_get(out)
+
+
+def _assert_same(a, b, atol=1e-6):
+  """Equal tokens, mask and top-K ids; log-probs equal up to float rounding."""
+  for name in ("tokens", "mask", "lengths", "topk_ids"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol, rtol=0)
+  if a.topk_logprobs is not None:
+    np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=atol, rtol=0)
+
+
+def test_decode_buckets():
+  assert sampler.decode_buckets(12, 2) == (2, 4, 8, 12)
+  assert sampler.decode_buckets(1024, 128) == (128, 256, 512, 1024)
+  assert sampler.decode_buckets(1000, 128) == (128, 256, 512, 1000)
+  assert sampler.decode_buckets(64, 128) == (64,) and sampler.decode_buckets(128, 128) == (128,)
+  assert sampler.decode_buckets(1, 1) == (1,)
+  with pytest.raises(ValueError, match="first bucket"):
+    sampler.decode_buckets(8, 0)
+
+
+def test_detect_group_size():
+  rows = [p for p in GROUPED for _ in range(G)]
+  assert sampler.detect_group_size(*sampler.left_pad(rows, length=8)) == G
+  assert sampler.detect_group_size(*sampler.left_pad(GROUPED, length=8)) == 1
+  # Runs of 4, 4 and 8 (two equal prompts side by side): groups of 4 hold.
+  assert sampler.detect_group_size(*sampler.left_pad(rows[:8] + rows[4:8] + rows[4:12])) == 4
+  assert sampler.detect_group_size(*sampler.left_pad(rows[1:])) == 1  # runs 3, 4, 4, 4
+  # Same tokens but a different mask (one more pad-id token of prompt) is another prompt.
+  tokens, mask = sampler.left_pad([[0, 3], [3]], length=2)
+  assert sampler.detect_group_size(tokens, mask) == 1
+
+
+@pytest.mark.parametrize("name", ["greedy", "tempered", "truncated"])
+def test_bucketed_decode_equals_one_bucket(model, prompts, outputs, name):
+  """Decoding on caches of P + 1, 3, 7, 11 slots (padded as they fill) draws the same tokens,
+  log-probs and top-K under the same key as one cache of P + N - 1 slots (N < FIRST_BUCKET)."""
+  kw = {"greedy": dict(greedy=True), "tempered": dict(temperature=TEMPERATURE, num_topk=4)}
+  kw = kw.get(name, TRUNCATED)
+  one = outputs(name, **kw)  # through `generate`: one bucket
+  sampling = sampler.SamplingParams(max_new_tokens=N, stop_ids=(), pad_id=0, **kw)
+  assert sampler.decode_buckets(N, 2) == (2, 4, 8, 12)
+  _assert_same(one, _sample(model, *prompts, sampling, first_bucket=2))
+  assert one.mask.all()
+
+
+def test_shared_prefill_equals_per_row_prefill(model):
+  """Each prompt's prefill runs once for its G rows (and the decode is bucketed): the same output
+  as one prefill per row and one bucket, and the G samples of a prompt still differ (every row
+  draws its own uniforms)."""
+  tokens, mask = sampler.left_pad([p for p in GROUPED for _ in range(G)], length=8)
+  sampling = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, num_topk=2, pad_id=0)
+  shared = _sample(model, tokens, mask, sampling, group_size=G, first_bucket=4)
+  per_row = _sample(model, tokens, mask, sampling, group_size=1, first_bucket=N)
+  _assert_same(shared, per_row, atol=2e-6)
+  for g in range(len(GROUPED)):
+    rows = shared.tokens[g * G : (g + 1) * G]
+    assert len({tuple(r) for r in rows}) == G, rows  # 64-token vocabulary, T = 1: all distinct
+  with pytest.raises(ValueError, match="group_size"):
+    _sample(model, tokens, mask, sampling, group_size=3)
+
+
+def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkeypatch):
+  """The loops (over every bucket) stop at the step where the last row meets a stop token: the
+  number of tokens drawn is the longest response, not max_new_tokens."""
+  greedy = _greedy(outputs)
+  draws = []
+  real = sampler._sample_token
+
+  def counted(logits, key, p):
+    jax.debug.callback(lambda: draws.append(1))
+    return real(logits, key, p)
+
+  monkeypatch.setattr(sampler, "_sample_token", counted)
+  stop = tuple(sorted({int(t) for t in greedy.tokens[:, 4]}))  # each row stops by step 4
+  sampling = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=stop, pad_id=11)
+  out = _sample(model, *prompts, sampling, first_bucket=2)
+  longest = int(out.lengths.max())
+  assert longest <= 5 < N and (out.lengths < N).all()
+  jax.effects_barrier()
+  assert len(draws) == longest, (len(draws), out.lengths)
+  # Every row stopping at its first token: no decode step at all, whatever the buckets.
+  draws.clear()
+  everything = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=tuple(range(64)))
+  out = _sample(model, *prompts, everything, first_bucket=2)
+  jax.effects_barrier()
+  assert len(draws) == 1 and (out.lengths == 1).all()
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
+def test_mesh_sampler_shares_prefill_and_compiles_once(model, mesh_shape, monkeypatch):
+  """On the 8-device mesh, grouped prompts (detected) give the single-device per-row output, with
+  groups cut to fit a batch shard; new prompts and keys of the same layout trace nothing new."""
+  import chex
+
+  from gppo_jax import partitioning, sharding
+
+  graphdef, params = nnx.split(model)
+  mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, mesh_shape, strict=True)))
+  shardings = partitioning.state_shardings(params, mesh, partitioning.DEFAULT_RULES)
+  mesh_sampler = sampler.MeshSampler(graphdef, shardings)
+  dev_params = jax.device_put(params, shardings)
+  sampling = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, stop_ids=(2,), pad_id=0)
+  rng = np.random.default_rng(1)
+  calls = []
+  for i in range(2):
+    prompts = [list(rng.integers(3, 64, size=rng.integers(1, 9))) for _ in range(4)]
+    tokens, mask = sampler.left_pad([p for p in prompts for _ in range(G)], length=8)
+    want = _sample(model, tokens, mask, sampling, key=i, group_size=1)
+    calls.append((tokens, mask, jax.random.key(i), want))
+  chex.clear_trace_counter()
+  monkeypatch.setattr(sampler, "sample", chex.assert_max_traces(sampler.sample, n=1))
+  for tokens, mask, key, want in calls:
+    _assert_same(mesh_sampler(dev_params, tokens, mask, key, sampling), want, atol=2e-6)
+  ((_, _, group),) = mesh_sampler._compiled  # one compiled sampler
+  assert group == (2 if mesh_shape == (8, 1, 1) else 4)  # 2 or 4 rows per batch shard
