@@ -1,16 +1,24 @@
 """New tokens/s of the KV-cached JAX sampler vs Hugging Face `generate` and a no-cache JAX decode.
 
-All three run in this process on the same random Qwen2-shape model (weights copied from the HF model
+All run in this process on the same random Qwen2-shape model (weights copied from the HF model
 into ours through hf_checkpoint when possible) and the same left-padded batch, float32, 2 CPU
 threads each. Repeats are interleaved (this machine's speed drifts by 20-30%), compile time is
 excluded from throughput and reported separately; medians are compared. Ends with one JSON line.
+
+Methods: `ours` (the sampler as shipped: bucketed decode, one prefill per group of `--group`
+identical prompts), `ours_1bucket` (the same on one cache of prompt + new tokens, as before the
+buckets; only when --new exceeds the first bucket), `hf` (generate on the same rows; it prefills
+every row, as it does with num_return_sequences) and `nocache` (full recompute every step).
+Compile time is timed alone (ahead-of-time lower + compile); a first call would also decode.
 
 Model: vocab 32k, hidden 512, 4 layers, 8 query / 2 KV heads (GQA, Qwen2 q/k/v bias), MLP 1408
 (~44M parameters, two thirds in the embedding and LM head). Small enough to decode a batch in
 about a second on 2 cores, big enough that per-token compute rather than Python or dispatch
 overhead dominates, and its vocab-heavy cost split resembles small RL policies (Qwen2.5-0.5B).
 
-  python benchmarks/sampler.py [--batch 8 --prompt 32 --new 64 --repeats 3]
+  python benchmarks/sampler.py [--batch 8 --prompt 32 --new 64 --repeats 3 --group 1]
+  python benchmarks/sampler.py --batch 64 --group 8 --nocache 0    # RL layout: 8 prompts x 8
+  python benchmarks/sampler.py --new 1024 --nocache 0 --repeats 2
 """
 
 from __future__ import annotations
@@ -74,12 +82,14 @@ def build_models(seed: int):
     return hf, model_lib.Transformer(cfg, rngs=nnx.Rngs(seed)), False
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int):
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, group: int = 1):
+  """batch // group random prompts, each repeated `group` times in a row (the rollout layout)."""
   rs = np.random.RandomState(seed)
-  lengths = rs.randint(prompt_len // 2, prompt_len + 1, size=batch)
+  lengths = rs.randint(prompt_len // 2, prompt_len + 1, size=batch // group)
   lengths[0] = prompt_len
   prompts = [list(rs.randint(3, vocab, size=n)) for n in lengths]
-  return sampler.left_pad(prompts, pad_id=0, length=prompt_len)
+  rows = [p for p in prompts for _ in range(group)]
+  return sampler.left_pad(rows, pad_id=0, length=prompt_len)
 
 
 def nocache_decoder(graphdef, n_new: int):
@@ -113,20 +123,35 @@ def main():
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--nocache", type=int, default=1, help="also time the no-cache decode (0/1)")
+  ap.add_argument("--group", type=int, default=1, help="rows per prompt (G samples of a prompt)")
   args = ap.parse_args()
   torch.set_num_threads(2)
-  B, P, N = args.batch, args.prompt, args.new
+  B, P, N, G = args.batch, args.prompt, args.new, args.group
+  if B % G:
+    ap.error(f"--group {G} must divide --batch {B}")
 
   hf, ours, copied = build_models(0)
-  tokens, mask = make_prompts(B, P, HF_SHAPE["vocab_size"], 0)
+  tokens, mask = make_prompts(B, P, HF_SHAPE["vocab_size"], 0, G)
+  assert sampler.detect_group_size(tokens, mask) == G
   graphdef, params = nnx.split(ours)
   sp = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, stop_ids=(), pad_id=0)
   nocache = nocache_decoder(graphdef, N)
   jt, jm = jnp.asarray(tokens), jnp.asarray(mask)
   pt, pm = torch.from_numpy(tokens).long(), torch.from_numpy(mask).long()
 
-  def run_ours(r):
-    return sampler.sample_jit(graphdef, params, jt, jm, jax.random.key(r), sp).tokens
+  compile_s = {}
+
+  def compiled_sampler(name, first_bucket):
+    """Traces and compiles `sampler.sample` ahead of time (timed alone), returns run(r)."""
+    t = time.perf_counter()
+    fn = jax.jit(
+      sampler.sample, static_argnums=(0, 5), static_argnames=("group_size", "first_bucket")
+    )
+    exe = fn.lower(
+      graphdef, params, jt, jm, jax.random.key(0), sp, group_size=G, first_bucket=first_bucket
+    ).compile()
+    compile_s[name] = time.perf_counter() - t
+    return lambda r: exe(params, jt, jm, jax.random.key(r)).tokens
 
   def run_nocache(r):
     return nocache(params, jt, jm, jax.random.key(r))
@@ -141,15 +166,16 @@ def main():
       )  # fmt: skip
     return out[:, P:]
 
-  compile_s = {}
-  t = time.perf_counter()
-  jax.block_until_ready(run_ours(0))
-  compile_s["ours"] = time.perf_counter() - t
+  methods = {"ours": compiled_sampler("ours", sampler.FIRST_BUCKET), "hf": run_hf}
+  if N > sampler.FIRST_BUCKET:
+    methods["ours_1bucket"] = compiled_sampler("ours_1bucket", N)
   if args.nocache:
+    methods["nocache"] = run_nocache
+  first_call = {}
+  for name, fn in methods.items():  # nocache: compiles; all: warm-up (allocator, kernels)
     t = time.perf_counter()
-    jax.block_until_ready(run_nocache(0))
-    compile_s["nocache"] = time.perf_counter() - t
-  run_hf(0)  # warm-up (allocator, kernels)
+    jax.block_until_ready(fn(0)) if name != "hf" else fn(0)
+    first_call[name] = time.perf_counter() - t
 
   # Sanity: with copied weights, greedy decoding of both implementations should agree.
   agree = None
@@ -158,9 +184,6 @@ def main():
     h = run_hf(0, do_sample=False)[:, :16].numpy()
     agree = float((np.asarray(g.tokens) == h).mean())
 
-  methods = {"ours": run_ours, "hf": run_hf}
-  if args.nocache:
-    methods["nocache"] = run_nocache
   times = {k: [] for k in methods}
   for r in range(1, args.repeats + 1):
     for name, fn in methods.items():
@@ -171,10 +194,15 @@ def main():
       assert tuple(out.shape) == (B, N), (name, out.shape)
 
   tps = {k: B * N / statistics.median(v) for k, v in times.items()}
+  if args.nocache:  # compiled by its first call: that call's time less a steady call's
+    compile_s["nocache"] = first_call["nocache"] - statistics.median(times["nocache"])
   best = {k: B * N / min(v) for k, v in times.items()}  # robust to load spikes from other jobs
   n_params = model_lib.param_count(ours)
   print(f"model: Qwen2-shape {n_params / 1e6:.1f}M params, weights copied from HF: {copied}")
-  print(f"batch {B}, prompt {P} (left-padded), {N} new tokens, float32, 2 threads")
+  print(
+    f"batch {B} ({B // G} prompts x {G}), prompt {P} (left-padded), {N} new tokens, float32, "
+    f"2 threads; decode buckets {sampler.decode_buckets(N)}"
+  )
   if agree is not None:
     print(f"greedy agreement ours vs HF (16 tokens): {agree:.3f}")
   for k, v in times.items():
@@ -182,12 +210,15 @@ def main():
     print(f"  {k:8s} {tps[k]:9.1f} new tok/s  (median of {len(v)}: {spread})")
   print("compile (excluded): " + ", ".join(f"{k} {v:.1f}s" for k, v in compile_s.items()))
   ratios = {"ours_vs_hf": tps["ours"] / tps["hf"], "ours_vs_hf_best": best["ours"] / best["hf"]}
+  if "ours_1bucket" in tps:
+    ratios["ours_vs_1bucket"] = tps["ours"] / tps["ours_1bucket"]
   if args.nocache:
     ratios["ours_vs_nocache"] = tps["ours"] / tps["nocache"]
     ratios["ours_vs_nocache_best"] = best["ours"] / best["nocache"]
   print("  ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()), "(medians; _best: fastest runs)")
   result = dict(
-    benchmark="sampler", batch=B, prompt=P, new_tokens=N, params_m=round(n_params / 1e6, 1),
+    benchmark="sampler", batch=B, group=G, prompt=P, new_tokens=N,
+    params_m=round(n_params / 1e6, 1), buckets=list(sampler.decode_buckets(N)),
     weights_copied=copied, greedy_agreement=agree,
     tokens_per_s={k: round(v, 1) for k, v in tps.items()},
     tokens_per_s_best={k: round(v, 1) for k, v in best.items()},
