@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -47,6 +48,11 @@ TOKENIZER_FILES = (
 )
 # Buffers some exporters save that carry no weights.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Checkpoint dtypes (config.json torch_dtype / dtype) that have no ModelConfig dtype: loaded as
+# float32 (exact) with a warning, and written back in their own dtype by save_model(source=...).
+_WIDENED_DTYPES = ("float16",)
+
+log = logging.getLogger("gppo_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +161,38 @@ def read_config(path: str | Path) -> dict[str, Any]:
   return tokenizer_lib.read_json_object(f)
 
 
+def source_dtype(hf_config: dict[str, Any]) -> str | None:
+  """The weights' dtype a config.json states (torch_dtype, or transformers 5's dtype)."""
+  dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+  return str(dtype) if dtype else None
+
+
 def model_config(path: str | Path, **overrides) -> ModelConfig:
-  """The ModelConfig of a checkpoint folder; unsupported settings name its config.json."""
+  """The ModelConfig of a checkpoint folder; unsupported settings name its config.json.
+
+  A float16 checkpoint has no dtype of ours: unless `overrides` set both dtypes it is loaded as
+  float32 (every float16 value is exact in float32) and a warning says so."""
   hf = read_config(path)
   try:
-    return config_from_hf(hf, **overrides)
+    cfg = config_from_hf(hf, **overrides)
   except (ValueError, KeyError, TypeError) as e:
     what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
     what = what.removeprefix(f"{CONFIG_FILE}: ")
     raise errors.CheckpointError(f"{Path(path) / CONFIG_FILE}: {what}") from e
+  stored = source_dtype(hf)
+  if stored in _WIDENED_DTYPES and not {"dtype", "param_dtype"} <= set(overrides):
+    log.warning(
+      "%s: %s weights are loaded as dtype=%s, param_dtype=%s (%s is not a dtype of ours; "
+      "model.dtype / model.param_dtype pick float32 or bfloat16); an export with this folder "
+      "as source writes %s again",
+      Path(path) / CONFIG_FILE,
+      stored,
+      cfg.dtype,
+      cfg.param_dtype,
+      stored,
+      stored,
+    )
+  return cfg
 
 
 class SafetensorsReader:
@@ -342,6 +371,10 @@ def _hf_config(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None) -> dic
   out = dict(base or {})
   ours = config_to_hf(cfg)
   ours["torch_dtype"] = dtype
+  if base is not None and base.get("pad_token_id") is None:
+    # The source has no pad token (null or absent); ours is a stand-in (eos or 0) for padding
+    # our own batches, not a setting to hand to transformers or vLLM.
+    ours.pop("pad_token_id")
   out.update(ours)
   out.pop("dtype", None)
   if "rope_parameters" in out:  # transformers>=5 layout: keep it consistent with ours
@@ -366,10 +399,14 @@ def save_model(
   config.json is generated from the model (on top of `source`'s config.json when given, so
   unrelated fields survive); weights go to model.safetensors, or to numbered shards with
   model.safetensors.index.json above `max_shard_size`; tokenizer files are copied from `source`.
+  dtype: of the written weights; default the model's param_dtype, or a float16 source's float16.
   """
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   cfg = model.cfg
+  base = read_config(source) if source is not None else None
+  if dtype is None and base is not None and source_dtype(base) in _WIDENED_DTYPES:
+    dtype = source_dtype(base)  # loaded widened to float32: written back as it came
   dtype = dtype or cfg.param_dtype
   limit = _parse_size(max_shard_size)
   shards: list[dict[str, np.ndarray]] = [{}]
@@ -393,7 +430,6 @@ def save_model(
     total = sum(a.nbytes for s in shards for a in s.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-  base = read_config(source) if source is not None else None
   (path / CONFIG_FILE).write_text(json.dumps(_hf_config(cfg, dtype, base), indent=2) + "\n")
   if source is not None:
     for fname in TOKENIZER_FILES:
@@ -401,7 +437,8 @@ def save_model(
       if src.is_file() and src.resolve() != (path / fname).resolve():
         shutil.copyfile(src, path / fname)
   if not (path / "generation_config.json").is_file():  # so generate() and vLLM stop on eos
-    gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id}
+    pad = cfg.pad_token_id if base is None or base.get("pad_token_id") is not None else None
+    gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": pad}
     eos = list(cfg.eos_token_ids)
     gen["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -347,3 +347,41 @@ def test_load_onto_mesh_shards_parameters_and_keeps_logits(llama_dir):
   hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
   want = _hf_logits(hf.eval(), tokens, mask, positions)
   _assert_close_on(mask, _our_logits(policy, tokens, mask, positions), want)
+
+
+def test_export_writes_back_a_null_pad_token_and_float16(tmp_path, monkeypatch):
+  """A source without a pad token comes back without one (not as 0 or the eos id), and float16
+  weights are loaded as float32 with a warning, then written back as float16, bit for bit."""
+  config_cls, extra = CASES["qwen2-bias"]
+  cfg = config_cls(**{**_COMMON, "pad_token_id": None}, **extra)
+  hf = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(torch.float16)
+  src = tmp_path / "fp16"
+  hf.save_pretrained(src)
+  source_cfg = json.loads((src / "config.json").read_text())
+  assert source_cfg.get("pad_token_id") is None
+  seen = []
+  monkeypatch.setattr(hf_checkpoint.log, "warning", lambda msg, *a: seen.append(msg % a))
+  policy = hf_checkpoint.load_model(src)
+  assert policy.cfg.param_dtype == "float32" and policy.cfg.pad_token_id == 2  # eos stands in
+  (msg,) = seen
+  assert "float16 weights are loaded as dtype=float32" in msg and str(src) in msg
+  out = hf_checkpoint.save_model(policy, tmp_path / "out", source=src)
+  written = json.loads((out / "config.json").read_text())
+  assert written.get("pad_token_id") is None and written["torch_dtype"] == "float16"
+  assert transformers.AutoConfig.from_pretrained(out).pad_token_id is None
+  assert transformers.GenerationConfig.from_pretrained(out).pad_token_id is None
+  a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+  assert set(b) <= set(a) and all(b[n].dtype == np.float16 for n in b)
+  for name in b:
+    np.testing.assert_array_equal(a[name].view(np.uint16), b[name].view(np.uint16))
+  # An explicit choice of both dtypes is no surprise: no warning; the export dtype stays ours.
+  seen.clear()
+  bf16 = hf_checkpoint.load_model(src, dtype="bfloat16", param_dtype="bfloat16")
+  assert not seen and bf16.cfg.param_dtype == "bfloat16"
+  # Without a source there is nothing to be faithful to: the model's pad id is written.
+  assert (
+    json.loads((hf_checkpoint.save_model(policy, tmp_path / "plain") / "config.json").read_text())[
+      "pad_token_id"
+    ]
+    == 2
+  )

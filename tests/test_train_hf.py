@@ -116,6 +116,6 @@ def test_train_on_hf_folder_and_jsonl_math(tmp_path):
   # `python -m gppo_jax.evaluate --checkpoint=...`: the exported folder scores like the checkpoint.
   from_ckpt = evaluate.evaluate_checkpoint(c, wd, "latest")
   from_hf = evaluate.evaluate_checkpoint(c, wd, os.path.join(wd, "hf_export"))
-  assert from_ckpt["eval/easy/accuracy"] == from_hf["eval/easy/accuracy"]
-  assert from_hf["decoding"]["k"] == 2 and "eval/other/pass@2" in from_hf
+  assert from_ckpt["metrics"]["eval/easy/accuracy"] == from_hf["metrics"]["eval/easy/accuracy"]
+  assert from_hf["protocol"]["k"] == [2] and "eval/other/pass@2" in from_hf["metrics"]
   assert reloaded.config.vocab_size == 300
