@@ -382,20 +382,25 @@ def sample(
     drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
     return _record(s.replace(cache=new_cache), *drawn, sampling)
 
-  for i, capacity in enumerate(buckets):
-    # Steps 1 .. capacity - 1 write cache slots up to P + capacity - 2: this bucket's last slot.
-    if i:
-      state = state.replace(cache=_grow(state.cache, prompt_len + capacity - 1))
-    cond = lambda s, capacity=capacity: (s.step < capacity) & ~jnp.all(s.done)
-    state = jax.lax.while_loop(cond, body, state)
-  return SampleOutput(
-    tokens=state.tokens,
-    logprobs=state.logprobs,
-    mask=state.mask,
-    lengths=state.mask.sum(axis=-1).astype(jnp.int32),
-    topk_logprobs=state.topk_logprobs,
-    topk_ids=state.topk_ids,
-  )
+  def finish(s: SamplerState) -> SampleOutput:
+    return SampleOutput(
+      tokens=s.tokens,
+      logprobs=s.logprobs,
+      mask=s.mask,
+      lengths=s.mask.sum(axis=-1).astype(jnp.int32),
+      topk_logprobs=s.topk_logprobs,
+      topk_ids=s.topk_ids,
+    )
+
+  def decode(i: int, s: SamplerState) -> SampleOutput:
+    # Bucket i: steps up to buckets[i] - 1 write cache slots up to P + buckets[i] - 2, its last.
+    s = jax.lax.while_loop(lambda s: (s.step < buckets[i]) & ~jnp.all(s.done), body, s)
+    if i + 1 == len(buckets):
+      return finish(s)
+    grow = lambda s: decode(i + 1, s.replace(cache=_grow(s.cache, prompt_len + buckets[i + 1] - 1)))
+    return jax.lax.cond(jnp.all(s.done), finish, grow, s)  # every row stopped: no more buckets
+
+  return decode(0, state)
 
 
 def sample_jit(
