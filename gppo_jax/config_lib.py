@@ -181,6 +181,14 @@ def base(
 
   # The evaluation protocol, separate from the rollout's (README "Evaluation"): greedy accuracy,
   # avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
+  # Every `every` iterations (0 = off): each per-token estimator against the exact divergence over
+  # the full vocabulary on the rollout batch, masked fractions by side and behaviour probability,
+  # entropy, a log-ratio histogram (docs/math.md#diagnostics): two extra forward passes.
+  c.diagnostics = ml_collections.ConfigDict()
+  c.diagnostics.every = 10
+  c.diagnostics.divergences = ()  # extra divergences whose exact value is logged, e.g. ("tv", "kl")
+  c.diagnostics.chunk_size = 16  # response positions per [rows, chunk, vocab] logits block
+
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50
   c.eval.num_problems = 512  # held-out problems of the built-in task (data files: every row)
@@ -390,6 +398,8 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   _registry_name("advantage.name", advantages.get, c.advantage.name)
   _registry_name("task.name", tasks.get, c.task.name)
   _registry_name("model.preset", architectures.get, c.model.preset)
+  for name in c.diagnostics.divergences:
+    _registry_name("diagnostics.divergences", divergences.get, name)
 
   k = _Checks(c)
   k.integer("seed", -(2**63))
@@ -470,6 +480,8 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.integer("eval.max_new_tokens", 1, none_ok=True)
   k.integer("eval.batch_size", 1)
   k.integer("checkpoint.every", 1)
+  k.integer("diagnostics.every", 0)
+  k.integer("diagnostics.chunk_size", 1)
   k.integer("checkpoint.keep", 1)
   # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
   for axis in c.mesh.keys():
@@ -629,6 +641,7 @@ def real_run(
   c.eval.batch_size = v["prompts"] * c.rollout.group_size  # what a rollout samples at once
   c.checkpoint.every = 25
   c.checkpoint.keep = 2
+  c.diagnostics.every = 20  # two extra forward passes over the rollout batch
   for axis, size in v["mesh"].items():
     c.mesh[axis] = size
   if "smoke" in args:  # keep the real model, shrink everything else

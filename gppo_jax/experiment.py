@@ -173,7 +173,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
     **overrides,
   )
   # The initial policy's seed (init and warm start); None = config.seed. Fixing it while seed
-  # varies repeats RL from one starting policy (benchmarks/grid.py does).
+  # varies repeats RL from one starting policy (`python -m gppo_jax.sweep --start shared` does).
   init_seed = config.warmstart.get("seed")
   init_seed = config.seed if init_seed is None else int(init_seed)
   model = model_lib.create(cfg, init_seed)

@@ -103,6 +103,12 @@ class MetricWriter:
       for k, v in values.items():
         self._tb.add_scalar(_tb_name(k), v, int(step))
 
+  def histogram(self, step: int, tag: str, histogram: dict[str, Any]) -> None:
+    """A histogram to TensorBoard: the keyword arguments of tensorboardX's add_histogram_raw
+    (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
+    if self._tb is not None:
+      self._tb.add_histogram_raw(_tb_name(tag), global_step=int(step), **histogram)
+
   def advance(self, n: int = 1) -> None:
     if self._bar is None:
       return

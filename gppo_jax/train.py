@@ -34,6 +34,7 @@ from flax import nnx
 from gppo_jax import (
   checkpointing,
   config_lib,
+  diagnostics,
   experiment,
   interrupts,
   metric_writers,
@@ -123,6 +124,7 @@ class Run:
   logprobs: Callable  # sharded jit of train_step.make_logprob_fn
   state_sh: Any  # the TrainState's shardings
   ref_params: Any  # the frozen initial policy (KL penalty), or None
+  diagnose: Callable | None  # diagnostics.make_diagnostics_fn, when diagnostics.every > 0
   rows: slice  # this host's rows of the global batch
   newest: int | None = None  # the newest checkpoint on disk
   history: dict = dataclasses.field(default_factory=dict)  # evaluations, kept in checkpoints
@@ -200,9 +202,24 @@ def _set_up(config, workdir: str, checkpoint_dir: str, stack: contextlib.ExitSta
     # A copy: the update donates the state's buffers.
     ref_params=jax.tree.map(jnp.copy, state.params) if spec.use_ref_logp else None,
     rows=sharding.process_rows(r.prompts_per_iter * r.group_size, mesh),
+    diagnose=_diagnostics_fn(config, graphdef, spec),
     history={"warm_start": warm_info},
   )
   return run, state
+
+
+def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable | None:
+  d = config.diagnostics
+  if not d.every:
+    return None
+  return diagnostics.make_diagnostics_fn(
+    graphdef,
+    prompt_len=spec.prompt_len,
+    temperature=spec.temperature,
+    loss_config=spec.loss,
+    divergences=tuple(d.divergences),
+    chunk_size=d.chunk_size,
+  )
 
 
 def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
@@ -231,10 +248,18 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=sharding.to_host(run.logprobs(run.ref_params, on_devices)))
   t2 = time.perf_counter()
-  state, upd = run.update(state, run.to_devices(batch), jax.random.fold_in(key, 1))
+  on_devices = run.to_devices(batch)
+  every = run.config.diagnostics.every
+  diagnose = run.diagnose is not None and (iteration + 1) % every == 0
+  behaviour = jax.tree.map(jnp.copy, state.params) if diagnose else None  # the update donates
+  state, upd = run.update(state, on_devices, jax.random.fold_in(key, 1))
   metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))
   t3 = time.perf_counter()
   check_finite(state, metrics, batch.adv, iteration=iteration + 1, newest=run.newest)
+  if diagnose:
+    # The policy after the update against the one that sampled the batch, on the batch's tokens.
+    metrics.update(jax.device_get(run.diagnose(behaviour, state.params, on_devices)))
+    metrics["time/diagnostics_s"] = time.perf_counter() - t3
   metrics.update(
     {
       "optim/steps": float(state.step),
@@ -299,6 +324,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     t_io = time.perf_counter()
     if done % config.log_every == 0:
       writer.write(done, metrics)
+      if "diag/ratio_hist" in metrics:
+        writer.histogram(done, "diag/log_ratio", diagnostics.tensorboard_histogram(metrics))
     writer.advance()
     if done % config.checkpoint.every == 0 or done == config.iterations:
       run.save(done, state)

@@ -220,6 +220,7 @@ def smoke_config(tmp_path, **loss):
 
 def test_smoke_run_checkpoints_and_resumes(tmp_path):
   c = smoke_config(tmp_path)
+  c.diagnostics.every = 2
   wd = str(tmp_path / "run")
   summary = train.train_and_evaluate(c, wd)
   assert summary["iterations"] == 3
@@ -228,6 +229,18 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   assert steps[0] == 0 and steps[-1] == 3 and "eval/accuracy" in lines[0]
   for key in ("reward/mean", "trust/masked_frac", "div/estimate_mean", "loss/total"):
     assert all(key in x for x in lines[1:]), key
+  # Every iteration's wall time, split by phase; the phases never exceed the whole.
+  for x in lines[1:]:
+    phases = [x[f"time/{p}_s"] for p in ("rollout", "logprobs", "update", "io")]
+    assert min(phases) >= 0 and sum(phases) <= x["time/iteration_s"] + 1e-6
+  # Diagnostics on the iterations diagnostics.every names: every estimator against the exact
+  # divergence, masked fractions by bucket, the policy entropy.
+  diag = [x["step"] for x in lines if "diag/exact/mean" in x]
+  assert diag == [2], diag
+  row = lines[2]
+  for est in ("mc", "binary", "atomic"):
+    assert 0 <= row[f"diag/{est}/mask_agree"] <= 1
+  assert row["diag/entropy"] > 0 and "diag/masked_frac/q<0.1" in row
   assert glob.glob(os.path.join(wd, "tensorboard", "events.out.tfevents.*"))
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]
   assert json.load(open(os.path.join(wd, "config.json")))["loss"]["estimator"] == "atomic"
