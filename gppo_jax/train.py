@@ -276,7 +276,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  log.debug("resolved config:\n%s", config)
+  log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)
   restored_step, restored, meta = checkpointing.restore_latest(
     run.mngr, sharding.abstract_like(state, run.state_sh)
