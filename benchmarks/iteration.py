@@ -67,14 +67,18 @@ def main(argv) -> None:
   first = rows[0]["time/iteration_s"]
   figures = split(rows[1:])
   total = figures["iteration"]
-  print(f"\n{config.loss.divergence}-{config.loss.estimator}, {len(rows)} iterations, "
-        f"{config.rollout.prompts_per_iter} x {config.rollout.group_size} rollouts, "
-        f"{config.train.epochs} x {config.train.minibatches} optimizer steps per iteration")  # fmt: skip
+  print(
+    f"\n{config.loss.divergence}-{config.loss.estimator}, {len(rows)} iterations, "
+    f"{config.rollout.prompts_per_iter} x {config.rollout.group_size} rollouts, "
+    f"{config.train.epochs} x {config.train.minibatches} optimizer steps per iteration"
+  )
   print(f"{'phase':<10}{'median s':>10}{'share':>8}")
   for phase in (*PHASES, "other"):
     print(f"{phase:<10}{figures[phase]:>10.4f}{figures[phase] / total:>8.1%}")
   print(f"{'iteration':<10}{total:>10.4f}{1:>8.0%}")
-  print(f"first iteration (compiles): {first:.2f} s; evaluation: {eval_s[-1] if eval_s else 0:.2f} s")
+  print(
+    f"first iteration (compiles): {first:.2f} s; evaluation: {eval_s[-1] if eval_s else 0:.2f} s"
+  )
   print(f"whole run: {summary['seconds']:.1f} s")
   if flags.FLAGS.out:
     with open(flags.FLAGS.out, "w") as f:

@@ -21,6 +21,7 @@ from gppo_jax import errors
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION = ("auto", "dense", "blockwise", "cudnn", "splash")  # = attention.IMPLEMENTATIONS
 # Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory),
 # "dots" also keeps weight-matmul outputs, "none" keeps everything (fastest, most memory).
 REMAT_POLICIES = {
@@ -55,6 +56,9 @@ class ModelConfig:
   pad_token_id: int = 0
   family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
   remat: str = "full"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
+  # Attention of the training forward and the prefill (attention.py): "auto" (cuDNN on GPU,
+  # splash on TPU, dense or blockwise on CPU by length), "dense", "blockwise", "cudnn", "splash".
+  attention: str = "auto"
   # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char
   # architectures use a larger one, without which attention stays uniform for hundreds of steps.
   initializer_range: float = 0.02
@@ -65,6 +69,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {sorted(DTYPES)}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {ATTENTION}")
     if self.family not in FAMILIES:
       raise ValueError(f"ModelConfig.family={self.family!r}; valid: {FAMILIES}")
     if self.num_heads % self.num_kv_heads:

@@ -108,6 +108,10 @@ def base(
   c.model.path = ml_collections.config_dict.placeholder(str)  # local Hugging Face folder
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
+  # What each layer keeps for the backward pass (architectures.REMAT_POLICIES: full, dots, none)
+  # and the attention implementation (attention.py: auto, dense, blockwise, cudnn, splash).
+  c.model.remat = "full"
+  c.model.attention = "auto"
   c.model.export_hf = False  # also write a Hugging Face folder at the end of training
 
   # Supervised warm start of the built-in policy (cached; skipped for model.path).
@@ -418,6 +422,8 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.text("model.path", none_ok=True)
   k.choice("model.dtype", tuple(architectures.DTYPES))
   k.choice("model.param_dtype", tuple(architectures.DTYPES))
+  k.choice("model.remat", tuple(architectures.REMAT_POLICIES))
+  k.choice("model.attention", architectures.ATTENTION)
   k.flag("model.export_hf")
   # Warm start of the built-in policy.
   k.flag("warmstart.enabled")
@@ -536,6 +542,17 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
 GRID_CELLS: dict[str, tuple[str, str]] = {
   f"{d}_{e}": (d, e) for d in ("tv", "kl", "hellinger", "chi2") for e in ("mc", "binary", "atomic")
 }
+
+
+def model_overrides(c: ml_collections.ConfigDict) -> dict[str, str]:
+  """The ModelConfig fields a config sets on any architecture or checkpoint folder."""
+  m = c.model
+  return dict(
+    dtype=m.dtype,
+    param_dtype=m.param_dtype,
+    remat=m.get("remat", "full"),
+    attention=m.get("attention", "auto"),
+  )
 
 
 def algorithm(name: str) -> presets.Preset:

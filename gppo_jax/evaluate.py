@@ -34,6 +34,7 @@ from flax import nnx
 
 from gppo_jax import (
   checkpointing,
+  config_lib,
   experiment,
   partitioning,
   pass_at_k,
@@ -112,7 +113,6 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   its report belongs in), `num_problems`, `protocol`, `metrics` (the flat keys the trainer logs)
   and the rows of `pass_at_k.EvalReport.as_dict` (benchmarks, macro, pooled).
   """
-  from gppo_jax import config_lib
 
   config_lib.validate(config, evaluating=True)
   config = for_evaluation(config)
@@ -134,9 +134,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
     if kind == "hf":
       from gppo_jax import hf_checkpoint
 
-      model = hf_checkpoint.load_model(
-        path, mesh=mesh, dtype=config.model.dtype, param_dtype=config.model.param_dtype
-      )
+      model = hf_checkpoint.load_model(path, mesh=mesh, **config_lib.model_overrides(config))
       graphdef, params = nnx.split(model)
     elif kind == "checkpoint":
       tx = train_step.optimizer_from_config(config)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gppo_jax import architectures, envs, policy_eval, sampler, sharding, train_step
+from gppo_jax import architectures, config_lib, envs, policy_eval, sampler, sharding, train_step
 from gppo_jax import model as model_lib
 from gppo_jax.errors import MissingFileError, UserError
 
@@ -153,7 +153,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
 
   With `mesh`, Hugging Face weights go straight to their sharded layout as they are read. With
   `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway)."""
-  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  overrides = config_lib.model_overrides(config)
   if config.model.path is not None:
     from gppo_jax import hf_checkpoint
 

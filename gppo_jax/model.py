@@ -25,11 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gppo_jax import attention as attention_lib
 from gppo_jax import partitioning
 from gppo_jax.architectures import REMAT_POLICIES, ModelConfig
-
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
 
 # --------------------------------------------------------------------------------------------
 # Parameters
@@ -139,20 +137,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _attention(q, k, v, allowed, dtype):
-  """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh] (GQA, f32 softmax)."""
-  B, T, H, Dh = q.shape
-  K = k.shape[2]
-  q = q.reshape(B, T, K, H // K, Dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(allowed[:, None, None], scores * (Dh**-0.5), _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(B, T, H, Dh)
-
-
-def _layer(cfg, p, x, positions, inv_freq, kv_fn):
-  """One pre-norm decoder layer. kv_fn(k, v) -> (keys, values, allowed) handles cache/no cache."""
+def _layer(cfg, p, x, positions, inv_freq, attend):
+  """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
@@ -166,8 +152,7 @@ def _layer(cfg, p, x, positions, inv_freq, kv_fn):
     k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
-  keys, values, allowed = kv_fn(k, v)
-  attn = _attention(q, keys, values, allowed, dt)
+  attn = attend(q, k, v)
   x = x + jnp.einsum("bthe,hed->btd", attn, w["wo"])
   h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("btd,df->btf", h, w["w_gate"])
@@ -201,10 +186,14 @@ class Transformer(nnx.Module):
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
 
-    Without cache: causal attention over the T tokens, ignoring keys whose attn_mask is False.
+    Without cache: causal attention over the T tokens, ignoring keys whose attn_mask is False;
+    a padding query attends only to itself (finite, ignorable output). The implementation is
+    cfg.attention (`attention.py`: dense, blockwise, cudnn, splash or auto).
     With cache and scalar cache_index: writes the new K/V into slots [cache_index,
     cache_index + T), marks them with attn_mask, and token i attends to every real slot
-    j <= cache_index + i. A padding query attends only to itself (finite, ignorable output).
+    j <= cache_index + i and to its own slot. Several tokens at once (a prefill) attend
+    blockwise over the filled cache blocks only (dense when cfg.attention resolves to dense
+    for the cache length); a single token attends densely over the whole cache.
     Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
     """
     cfg = self.cfg
@@ -218,14 +207,21 @@ class Transformer(nnx.Module):
     layer_ids = jnp.arange(cfg.num_layers)
 
     if cache is None:
-      # Pad queries see only themselves: no all-masked rows, and pads stay causal too.
-      causal = jnp.tril(jnp.ones((T, T), bool))
-      allowed = (causal[None] & attn_mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
+      impl = attention_lib.resolve(
+        cfg.attention, seq_len=T, dtype=cfg.compute_dtype, head_dim=cfg.head_dim
+      )
+      # Dense: the [B, T, T] mask is built once, outside the layer scan.
+      allowed = attention_lib.self_allowed(attn_mask) if impl == "dense" else None
+
+      def attend(q, k, v):
+        if allowed is not None:
+          return attention_lib.dense(q, k, v, allowed)
+        return attention_lib.attention(q, k, v, attn_mask, impl)
 
       def step(x, xs):
         p, _ = xs
         x = partitioning.constrain_batch(x)
-        return _layer(cfg, p, x, positions, inv_freq, lambda k, v: (k, v, allowed)), None
+        return _layer(cfg, p, x, positions, inv_freq, attend), None
 
       if REMAT_POLICIES[cfg.remat] is not None:
         step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -240,23 +236,31 @@ class Transformer(nnx.Module):
       mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, idx))
       query_slot = idx + jnp.arange(T)[:, None]
       slots = jnp.arange(S)[None, :]
-      allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
+      # Several new tokens (a prefill): blockwise over the filled cache blocks unless the
+      # attention resolves to dense for this cache length; one token: dense over the cache.
+      blockwise = T > 1 and "dense" != attention_lib.resolve(
+        cfg.attention, seq_len=S, dtype=cfg.compute_dtype, head_dim=cfg.head_dim
+      )
+      if not blockwise:
+        allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
       zero = jnp.zeros((), jnp.int32)
 
       def step(carry, xs):
         x, ck, cv = carry
         p, l = xs
 
-        def kv_fn(k, v):
+        def attend(q, k, v):
           nonlocal ck, cv
           at = (l, zero, idx, zero, zero)
           ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
           cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
           keys = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
           values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
-          return keys, values, allowed
+          if blockwise:
+            return attention_lib.cached_attention(q, keys, values, mask, idx)
+          return attention_lib.dense(q, keys, values, allowed)
 
-        x = _layer(cfg, p, x, positions, inv_freq, kv_fn)
+        x = _layer(cfg, p, x, positions, inv_freq, attend)
         return (x, ck, cv), None
 
       (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))

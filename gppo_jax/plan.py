@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gppo_jax import architectures, cli, config_lib, errors, sharding, train_step
+from gppo_jax import architectures, attention, cli, config_lib, errors, sharding, train_step
 from gppo_jax import model as model_lib
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ PLATFORM_MEMORY_GB = {
   "b200": 180,
   "cpu": 16,
 }
+# The backend each platform's "auto" attention resolves for (attention.resolve).
+PLATFORM_BACKEND = {name: "tpu" for name in ("v4", "v5e", "v5p", "v6e")}
+PLATFORM_BACKEND.update({name: "gpu" for name in ("a100", "h100", "h200", "b200")}, cpu="cpu")
 GIB = 1024**3
 _REEXEC = "_GPPO_PLAN_SIMULATED"
 
@@ -86,7 +89,7 @@ class MemoryPlan:
 def model_config(config) -> tuple[architectures.ModelConfig, str]:
   """(ModelConfig, where from): model.path's config.json if the folder exists, else the named
   architecture `model.preset`."""
-  overrides = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  overrides = config_lib.model_overrides(config)
   path = config.model.get("path")
   if path and os.path.isfile(os.path.join(path, "config.json")):
     from gppo_jax import hf_checkpoint
@@ -148,14 +151,29 @@ def kv_cache_bytes(cfg: architectures.ModelConfig, mesh, batch: int, length: int
   return 2 * cfg.num_layers * rows * length * heads * cfg.head_dim * item
 
 
+def attention_impl(cfg: architectures.ModelConfig, seq: int, backend: str) -> str:
+  """The attention implementation cfg.attention resolves to for `seq` tokens on `backend`."""
+  return attention.resolve(
+    cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
+  )
+
+
 def analytic_activation_bytes(
-  cfg: architectures.ModelConfig, mesh, spec, n: int, seq: int, num_params: int
+  cfg: architectures.ModelConfig,
+  mesh,
+  spec,
+  n: int,
+  seq: int,
+  num_params: int,
+  backend: str = "tpu",
 ) -> int:
   """Closed-form estimate of the update's temporaries per device (remat-aware, chunked head).
 
   One micro-batch of rows split over data x fsdp: the saved layer inputs (every intermediate
-  without remat), one layer's forward and backward working set with float32 attention scores,
-  probabilities and their gradient, the chunked log-prob head, and gradient-sized buffers.
+  without remat), one layer's forward and backward working set, the chunked log-prob head, and
+  gradient-sized buffers. Attention: dense keeps float32 scores, probabilities and their
+  gradient ([rows, heads, seq, seq] each); the linear-memory implementations (blockwise,
+  cudnn, splash) one such block of tiles plus float32 per-token accumulators.
   Calibrated against the compiled plan of 7-8B models to within ~20%.
   """
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -167,13 +185,17 @@ def analytic_activation_bytes(
   kv = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
   tokens = rows * seq
   layer_work = 2 * tokens * (4 * d + 3 * f // tp + 2 * (heads + 2 * kv) * dh) * item
-  attention = 3 * rows * heads * seq * seq * 4
+  if attention_impl(cfg, seq, backend) == "dense":
+    attn = 3 * rows * heads * seq * seq * 4
+  else:
+    block = min(seq, attention.BLOCK_SIZE)
+    attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
   if cfg.remat == "none":
-    saved = cfg.num_layers * (layer_work + attention) // 2
+    saved = cfg.num_layers * (layer_work + attn) // 2
   head = rows * min(128, seq) * cfg.vocab_size * 4 * 3
   grads = num_params * np.dtype(cfg.params_dtype).itemsize // (mesh.size // mesh.shape["data"])
-  return int(saved + layer_work + attention + head + 2 * grads)
+  return int(saved + layer_work + attn + head + 2 * grads)
 
 
 def compiled_update_memory(update_fn, state, batch, mesh) -> Any:
@@ -192,18 +214,27 @@ def plan(
   device_memory_gb: float = PLATFORM_MEMORY_GB["v5p"],
   compile: bool = True,
   devices: Any = None,
+  backend: str = "tpu",
 ) -> MemoryPlan:
-  """The memory plan of `config` on a mesh (default: config.mesh over `devices` / all devices)."""
+  """The memory plan of `config` on a mesh (default: config.mesh over `devices` / all devices)
+  for devices of `backend` (tpu, gpu, cpu: what model.attention="auto" resolves to there)."""
   mesh = sharding.make_mesh(dict(mesh_cfg or config.mesh), devices)
   cfg, _ = model_config(config)
   n, p, r = rollout_shape(config)
+  notes = []
+  impl = attention_impl(cfg, p + r - 1, backend)
+  if compile and impl not in ("dense", "blockwise"):
+    # The compile runs here (CPU): the target's fused kernel is compiled as blockwise, the
+    # pure-JAX kernel of the same linear memory class.
+    notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
+  if compile:
+    cfg = dataclasses.replace(cfg, attention="blockwise" if impl != "dense" else "dense")
   update_fn, state, spec = update_setup(config, cfg, p, r)
   batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)
   sh = sharding.state_shardings(state, mesh)
   params = per_device_bytes(state.params, sh.params)
   optimizer = per_device_bytes(state.opt_state, sh.opt_state)
   batch_bytes = per_device_bytes(batch, sharding.batch_shardings(batch, mesh))
-  notes = []
   if config.loss.kl_coef > 0:
     notes.append("kl_coef > 0: a frozen reference copy of the parameters is counted in params")
     params *= 2
@@ -213,7 +244,7 @@ def plan(
   decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
   source = "analytic"
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-  activations = analytic_activation_bytes(cfg, mesh, spec, n, p + r - 1, num_params)
+  activations = analytic_activation_bytes(cfg, mesh, spec, n, p + r - 1, num_params, backend)
   update_peak = resident + batch_bytes + activations
   if compile:
     try:
@@ -314,10 +345,19 @@ def main(argv) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "gppo_jax.plan", *sys.argv[1:]], env)
   devices = devices[:needed]
   cfg, source = model_config(config)
-  result = plan(config, mesh_cfg, device_memory_gb=memory, compile=not f.analytic, devices=devices)
+  result = plan(
+    config,
+    mesh_cfg,
+    device_memory_gb=memory,
+    compile=not f.analytic,
+    devices=devices,
+    backend=PLATFORM_BACKEND.get(f.platform, "tpu"),
+  )
   n, p, r = rollout_shape(config)
+  impl = attention_impl(cfg, p + r - 1, PLATFORM_BACKEND.get(f.platform, "tpu"))
   title = (
-    f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {cfg.remat}; rollout {n} x ({p} + {r})"
+    f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {cfg.remat}, attention {impl}; "
+    f"rollout {n} x ({p} + {r})"
     f" tokens; {config.train.minibatches} minibatches x {config.train.microbatches} micro; "
     f"{f.platform} {memory} GiB"
   )

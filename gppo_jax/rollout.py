@@ -157,7 +157,7 @@ def collect(
   pad_id: int,
   use_topk: bool = False,
 ) -> tuple[train_step.Batch, dict[str, float]]:
-  """Generation round(s) -> the host-side rollout batch (numpy) and its metrics (module docstring)."""
+  """Generation round(s) -> the host-side rollout batch (numpy) and its metrics (see the module)."""
   r, a = config.rollout, config.advantage
   need = r.prompts_per_iter
   rounds, metric_rows = [], []

@@ -156,7 +156,9 @@ class Run:
     self.newest = iteration
 
 
-def _set_up(config, workdir: str, checkpoint_dir: str, stack: contextlib.ExitStack) -> tuple[Run, Any]:
+def _set_up(
+  config, workdir: str, checkpoint_dir: str, stack: contextlib.ExitStack
+) -> tuple[Run, Any]:
   """The run and its initial state: checkpoints first (a resume skips the warm start), then the
   policy, the environment, the optimizer and the compiled functions, on the configured mesh."""
   mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
@@ -357,9 +359,7 @@ def _export_hf(run: Run, state) -> None:
   params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
   if jax.process_index() == 0:
     out_dir = os.path.join(run.workdir, "hf_export")
-    hf_checkpoint.save_model(
-      nnx.merge(run.graphdef, params), out_dir, source=run.config.model.path
-    )
+    hf_checkpoint.save_model(nnx.merge(run.graphdef, params), out_dir, source=run.config.model.path)
     log.info("exported the trained policy to %s", out_dir)
 
 

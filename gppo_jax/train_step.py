@@ -21,6 +21,7 @@ from flax import nnx
 from gppo_jax import model as model_lib
 from gppo_jax import objective, partitioning
 
+
 @flax.struct.dataclass
 class Batch:
   """One rollout batch, as the update consumes it (numpy on the host, jax.Array on devices).

@@ -18,7 +18,16 @@ LAYERS = [
   ),
   (
     "model",
-    {"architectures", "model", "partitioning", "sharding", "sampler", "tokenizer", "hf_checkpoint"},
+    {
+      "architectures",
+      "attention",
+      "model",
+      "partitioning",
+      "sharding",
+      "sampler",
+      "tokenizer",
+      "hf_checkpoint",
+    },
   ),
   (
     "rewards and data",

@@ -355,6 +355,40 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
   assert "FITS: peak" in out.stdout
 
 
+def _qwen_config(tokens: int, attention: str):
+  path = os.path.join(REPO, "configs", "qwen25_math_7b.py")
+  spec = importlib.util.spec_from_file_location("qwen_plan", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.model.path = None  # the named architecture's shapes (no weights needed)
+  config.rollout.max_new_tokens = tokens
+  config.model.attention = attention
+  return config
+
+
+def test_plan_counts_linear_attention_memory_on_long_responses():
+  """16k-token Qwen2.5-7B rollouts: the linear-memory attention the target platform resolves
+  to (splash on TPU) fits a v5p; dense attention's quadratic scores would not."""
+  mesh, devices = {"fsdp": 8}, jax.devices()[:8]
+
+  def acts(tokens, attention):
+    got = plan.plan(
+      _qwen_config(tokens, attention), mesh, compile=False, devices=devices, backend="tpu"
+    )
+    return got.activations
+
+  auto8, auto16 = acts(8192, "auto"), acts(16384, "auto")
+  dense8, dense16 = acts(8192, "dense"), acts(16384, "dense")
+  assert auto16 / auto8 < 2.3  # linear in the length
+  assert dense16 / dense8 > 3.0  # quadratic scores dominate
+  assert auto16 < 0.2 * dense16
+  assert plan.attention_impl(plan.model_config(_qwen_config(16384, "auto"))[0], 16896, "tpu") == (
+    "splash"
+  )
+  assert plan.attention_impl(plan.model_config(_qwen_config(512, "auto"))[0], 600, "cpu") == "dense"
+
+
 FAKE_GCLOUD = """#!/usr/bin/env bash
 printf '%s\n---\n' "$*" >> "$GCLOUD_CALLS"
 case "$*" in

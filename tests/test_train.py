@@ -257,7 +257,9 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   # `python -m gppo_jax.evaluate` reads the latest checkpoint and reports the protocol.
   report = evaluate.evaluate_checkpoint(c, wd)
   assert report["num_problems"] == c.eval.num_problems and report["source"]["step"] == 4
-  assert report["protocol"]["k"] == list(c.eval.k) and 0.0 <= report["metrics"]["eval/accuracy"] <= 1
+  assert (
+    report["protocol"]["k"] == list(c.eval.k) and 0.0 <= report["metrics"]["eval/accuracy"] <= 1
+  )
   assert f"eval/pass@{c.eval.k[0]}" in report["metrics"]
   np.testing.assert_allclose(
     report["metrics"]["eval/accuracy"], summary2["final_eval"]["eval/accuracy"]

@@ -154,6 +154,8 @@ BAD_VALUES = [
   ("data.verifier_timeout_s", 0.0),
   ("model.dtype", "fp16"),
   ("model.param_dtype", "float16"),
+  ("model.remat", "partial"),
+  ("model.attention", "flash"),
   ("mesh.data", 0),
   ("mesh.tensor", -2),
 ]

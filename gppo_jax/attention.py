@@ -1,0 +1,435 @@
+"""Causal grouped-query attention: a dense reference and three linear-memory implementations.
+
+Every implementation computes, for q [B, T, H, Dh], k / v [B, T, K, Dh] (H a multiple of K) and
+`mask` bool [B, T] (False = padding), softmax(q k^T / sqrt(Dh)) v per head in float32, where a
+real query i attends to the real keys j <= i and a padding query attends only to itself (finite,
+ignorable output; nothing real ever attends to it). Real tokens may sit anywhere in a row (left
+padding for prompts, right padding after a response) unless an implementation says otherwise.
+
+- `dense`: the reference; builds the float32 [B, K, G, T, T] scores (quadratic memory).
+- `blockwise`: flash-style online softmax over key blocks with causal block skipping, and a
+  `jax.custom_vjp` backward that recomputes each block from the saved log-sum-exp: memory O(T)
+  in the forward and the backward. Pure JAX: runs (and shards) on every backend.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (bf16 / fp16 only).
+  cuDNN takes padding as sequence lengths, so each row is rotated to put its real tokens first;
+  this needs the real tokens of a row to be one contiguous run (left-padded prompt +
+  right-padded response, as every batch of this project is). Pad outputs are unspecified.
+- `splash`: the Pallas splash-attention kernel on TPU (a static causal mask plus segment ids:
+  real tokens share segment 0, each pad is its own segment), wrapped in `shard_map` under a mesh.
+
+`attention(q, k, v, mask, impl)` picks one; "auto" is cudnn on GPU for half precision, splash on
+TPU, and on CPU dense up to `DENSE_MAX_LEN` tokens (faster when the scores are small) and
+blockwise above. `cached_attention` is the blockwise forward for queries written into a KV cache
+at a traced offset (the sampler's prefill): it visits only the cache blocks up to the last query.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from gppo_jax import partitioning
+
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
+# CPU: dense attention up to this many tokens, blockwise beyond (benchmarks/attention_memory.py).
+DENSE_MAX_LEN = 1024
+BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
+SPLASH_BLOCK = 512
+_NEG_INF = -jnp.inf
+
+
+def resolve(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None) -> str:
+  """The implementation `impl` ("auto" or a name in IMPLEMENTATIONS) stands for on `backend`
+  (default: jax's default backend) for sequences of `seq_len` tokens in `dtype`."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention={impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
+  if impl != "auto":
+    return impl
+  backend = backend or jax.default_backend()
+  if backend in ("gpu", "cuda", "rocm"):
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and head_dim % 8 == 0 and head_dim <= 128 else "blockwise"
+  if backend == "tpu":
+    return "splash"
+  return "dense" if seq_len <= DENSE_MAX_LEN else "blockwise"
+
+
+def attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "auto"
+) -> jax.Array:
+  """Causal self-attention of one layer: q [B,T,H,Dh], k/v [B,T,K,Dh], mask bool [B,T]
+  -> [B,T,H,Dh] in q's dtype (the mask rule is the module docstring's)."""
+  name = resolve(impl, seq_len=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1])
+  if name == "dense":
+    return dense(q, k, v, self_allowed(mask))
+  if name == "blockwise":
+    return blockwise(q, k, v, mask)
+  if name == "cudnn":
+    return cudnn(q, k, v, mask)
+  return splash(q, k, v, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense reference
+# --------------------------------------------------------------------------------------------
+
+
+def self_allowed(mask: jax.Array) -> jax.Array:
+  """bool [B, T, T]: query i may attend key j (the module's rule) for mask bool [B, T]."""
+  T = mask.shape[1]
+  causal = jnp.tril(jnp.ones((T, T), bool))
+  return (causal[None] & mask[:, :, None] & mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
+
+
+def dense(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+  """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh]: float32 scores and
+  softmax, probabilities cast to v's dtype for the value product. Every row needs one True."""
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, Dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(allowed[:, None, None], scores * (Dh**-0.5), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(B, T, H, Dh).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Blockwise (flash-style) attention with a recomputing backward
+# --------------------------------------------------------------------------------------------
+
+
+def _tile(seq_len: int, block_size: int) -> tuple[int, int]:
+  """(tile, number of tiles): tiles of at most block_size covering seq_len with little padding."""
+  n = -(-seq_len // block_size)
+  tile = -(-seq_len // n)
+  if tile > 8:
+    tile = -(-tile // 8) * 8
+  return tile, n
+
+
+def _block_allowed(qpos, kpos, qreal, kreal):
+  """bool [B, bq, bk] for positions qpos [bq], kpos [bk] and real flags [B, bq], [B, bk]."""
+  causal = kpos[None, None, :] <= qpos[None, :, None]
+  both = qreal[:, :, None] & kreal[:, None, :]
+  return (causal & both) | (kpos[None, None, :] == qpos[None, :, None])
+
+
+def _scores(qi, kj, allowed, scale):
+  """float32 [B,K,G,bq,bk] scaled scores of qi [B,K,G,bq,Dh], kj [B,K,bk,Dh], -inf where not
+  allowed [B,bq,bk]."""
+  s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
+  return jnp.where(allowed[:, None, None], s, _NEG_INF)
+
+
+def _online_step(carry, s, vj):
+  """One key block of the online softmax: carry (m, l, acc) float32 [B,K,G,bq(,Dh)]."""
+  m, l, acc = carry
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+  p = jnp.exp(s - m_safe[..., None])
+  alpha = jnp.exp(m - m_safe)
+  l = alpha * l + jnp.sum(p, axis=-1)
+  pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+  return m_new, l, alpha[..., None] * acc + pv
+
+
+def _flash_forward(q, k, v, mask, tile):
+  """Head-major q [B,K,G,Tp,Dh], k/v [B,K,Tp,Dh], mask [B,Tp] -> (out like q, lse f32
+  [B,K,G,Tp]). Query tile i visits key tiles 0..i only (causal block skipping)."""
+  B, K, G, Tp, Dh = q.shape
+  n = Tp // tile
+  scale = Dh**-0.5
+  ar = jnp.arange(tile)
+
+  def q_tile(carry, i):
+    out, lse = carry
+    qi = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=3)
+    qreal = jax.lax.dynamic_slice_in_dim(mask, i * tile, tile, axis=1)
+    qpos = i * tile + ar
+
+    def k_tile(j, c):
+      kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=2)
+      vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=2)
+      kreal = jax.lax.dynamic_slice_in_dim(mask, j * tile, tile, axis=1)
+      s = _scores(qi, kj, _block_allowed(qpos, j * tile + ar, qreal, kreal), scale)
+      return _online_step(c, s, vj)
+
+    shape = (B, K, G, tile)
+    init = (
+      jnp.full(shape, _NEG_INF, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+      jnp.zeros((*shape, Dh), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, i + 1, k_tile, init)
+    o = (acc / l[..., None]).astype(q.dtype)
+    out = jax.lax.dynamic_update_slice_in_dim(out, o, i * tile, axis=3)
+    lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), i * tile, axis=3)
+    return (out, lse), None
+
+  init = (jnp.zeros_like(q), jnp.zeros((B, K, G, Tp), jnp.float32))
+  (out, lse), _ = jax.lax.scan(q_tile, init, jnp.arange(n))
+  return out, lse
+
+
+def _flash_backward(q, k, v, mask, out, lse, dout, tile):
+  """Gradients (dq, dk, dv) of _flash_forward, recomputing each block's probabilities from lse.
+  Key tile j visits query tiles j..n-1; dq is accumulated in one float32 buffer."""
+  B, K, G, Tp, Dh = q.shape
+  n = Tp // tile
+  scale = Dh**-0.5
+  ar = jnp.arange(tile)
+  dt = q.dtype
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,G,Tp]
+
+  def k_tile(dq, j):
+    kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=2)
+    vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=2)
+    kreal = jax.lax.dynamic_slice_in_dim(mask, j * tile, tile, axis=1)
+    kpos = j * tile + ar
+
+    def q_tile(i, c):
+      dq, dk, dv = c
+      sl = lambda x, axis=3: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=axis)
+      qi, doi, lsei, di = sl(q), sl(dout), sl(lse), sl(delta)
+      allowed = _block_allowed(i * tile + ar, kpos, sl(mask, 1), kreal)
+      p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,G,bq,bk]
+      dv = dv + jnp.einsum(
+        "bkgqs,bkgqd->bksd", p.astype(dt), doi, preferred_element_type=jnp.float32
+      )
+      dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+      ds = (p * (dp - di[..., None]) * scale).astype(dt)
+      dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qi, preferred_element_type=jnp.float32)
+      dqi = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, sl(dq) + dqi, i * tile, axis=3)
+      return dq, dk, dv
+
+    zeros = jnp.zeros((B, K, tile, Dh), jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(j, n, q_tile, (dq, zeros, zeros))
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(k_tile, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
+  # [n, B, K, tile, Dh] -> [B, K, Tp, Dh]
+  unstack = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, K, Tp, Dh)
+  return dq.astype(dt), unstack(dk).astype(k.dtype), unstack(dv).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, mask, tile):
+  return _flash_forward(q, k, v, mask, tile)[0]
+
+
+def _flash_fwd(q, k, v, mask, tile):
+  out, lse = _flash_forward(q, k, v, mask, tile)
+  return out, (q, k, v, mask, out, lse)
+
+
+def _flash_bwd(tile, res, dout):
+  q, k, v, mask, out, lse = res
+  dq, dk, dv = _flash_backward(q, k, v, mask, out, lse, dout, tile)
+  return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, block_size: int = BLOCK_SIZE
+) -> jax.Array:
+  """Flash-style attention, O(T) memory in the forward and backward: q [B,T,H,Dh], k/v
+  [B,T,K,Dh], mask bool [B,T] -> [B,T,H,Dh]. T is padded up to whole tiles of <= block_size."""
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  tile, n = _tile(T, block_size)
+  pad = n * tile - T
+  mask = mask.astype(bool)
+  if pad:
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, pad)))
+  Tp = T + pad
+  qh = q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,Tp,Dh]
+  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,Dh]
+  out = _flash(qh, kh, vh, mask, tile)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, Dh)[:, :T]
+
+
+def cached_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  offset: jax.Array | int,
+  *,
+  block_size: int = BLOCK_SIZE,
+) -> jax.Array:
+  """Forward-only blockwise attention of T queries written at cache slots [offset, offset + T).
+
+  q [B,T,H,Dh]; k/v [B,S,K,Dh] the whole cache (new keys already written); mask bool [B,S] (real
+  slots); offset int32 scalar, may be traced. Query i attends to the real slots j <= offset + i
+  and to its own slot (the KV-cache rule of `model.Transformer`). Only the key tiles that hold a
+  slot <= offset + T - 1 are visited (a traced loop bound, hence not reverse-differentiable).
+  Memory: one [B, H, tile, tile] float32 block at a time.
+  """
+  B, T, H, Dh = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = H // K
+  offset = jnp.asarray(offset, jnp.int32)
+  tq, nq = _tile(T, block_size)
+  tk = min(block_size, S)
+  nk = -(-S // tk)
+  if nq * tq > T:
+    q = jnp.pad(q, ((0, 0), (0, nq * tq - T), (0, 0), (0, 0)))
+  qh = q.reshape(B, nq * tq, K, G, Dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,Tq,Dh]
+  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,S,Dh]
+  scale = Dh**-0.5
+
+  def q_tile(i):
+    qi = jax.lax.dynamic_slice_in_dim(qh, i * tq, tq, axis=3)
+    qpos = offset + i * tq + jnp.arange(tq)  # cache slot of each query
+    last = jnp.minimum(offset + jnp.minimum((i + 1) * tq, T) - 1, S - 1)
+
+    def k_tile(j, c):
+      # The last tile may overlap the one before it (start clamped to S - tk): slots already
+      # seen are masked out, so no padding of the cache is needed.
+      start = jnp.minimum(j * tk, S - tk)
+      kpos = start + jnp.arange(tk)
+      kj = jax.lax.dynamic_slice_in_dim(kh, start, tk, axis=2)
+      vj = jax.lax.dynamic_slice_in_dim(vh, start, tk, axis=2)
+      kreal = jax.lax.dynamic_slice_in_dim(mask, start, tk, axis=1) & (kpos >= j * tk)[None]
+      allowed = (kpos[None, None, :] <= qpos[None, :, None]) & kreal[:, None, :]
+      allowed = allowed | (kpos[None, None, :] == qpos[None, :, None])
+      return _online_step(c, _scores(qi, kj, allowed, scale), vj)
+
+    shape = (B, K, G, tq)
+    init = (
+      jnp.full(shape, _NEG_INF, jnp.float32),
+      jnp.zeros(shape, jnp.float32),
+      jnp.zeros((*shape, Dh), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, jnp.minimum(last // tk + 1, nk), k_tile, init)
+    return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype)
+
+  out = jax.lax.map(q_tile, jnp.arange(nq))  # [nq, B, K, G, tq, Dh]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * tq, H, Dh)
+  return out[:, :T]
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN (GPU)
+# --------------------------------------------------------------------------------------------
+
+
+def cudnn(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, implementation: str = "cudnn"
+) -> jax.Array:
+  """jax.nn.dot_product_attention with cuDNN's fused causal kernel.
+
+  cuDNN masks padding by sequence length (keys j >= length), so each row is rotated left by its
+  number of leading pads, attended with is_causal and key_value_seq_lengths, and rotated back.
+  Exact for real tokens when each row's real tokens form one contiguous run; pad outputs are
+  unspecified. `implementation="xla"` runs the same rotation on any backend (tests).
+  """
+  B, T = mask.shape
+  mask = mask.astype(bool)
+  start = jnp.argmax(mask, axis=1).astype(jnp.int32)  # first real token (0 if none)
+  length = jnp.maximum(jnp.sum(mask, axis=1, dtype=jnp.int32), 1)
+  ar = jnp.arange(T, dtype=jnp.int32)[None]
+  fwd = ((ar + start[:, None]) % T)[:, :, None, None]
+  back = ((ar - start[:, None]) % T)[:, :, None, None]
+  rot = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
+  out = jax.nn.dot_product_attention(
+    rot(q, fwd),
+    rot(k, fwd),
+    rot(v, fwd),
+    is_causal=True,
+    key_value_seq_lengths=length,
+    implementation=implementation,
+  )
+  return rot(out, back)
+
+
+# --------------------------------------------------------------------------------------------
+# Splash attention (TPU)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(seq_len: int, groups: int, block: int, interpret: bool):
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+  mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(groups)])
+  sizes = sa.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
+    return sa.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def splash(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  *,
+  block_size: int = SPLASH_BLOCK,
+  interpret: bool | None = None,
+) -> jax.Array:
+  """The Pallas splash-attention kernel (TPU; `interpret=True` runs it on any backend, slowly).
+
+  Per example and kv head an MQA kernel over the head's G query heads: a static causal mask
+  and segment ids (real tokens 0, pad t gets t + 1, so it sees only itself). T is padded to a
+  multiple of the block (128 lanes at least). Under a mesh with the batch axes (data x fsdp),
+  the kernel runs per device in `jax.shard_map` (batch split; kv heads over `tensor`).
+  """
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  G = H // K
+  block = min(block_size, -(-T // 128) * 128)
+  Tp = -(-T // block) * block
+  mask = mask.astype(bool)
+  if Tp > T:
+    widths = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, Tp - T)))
+  segments = jnp.where(mask, 0, jnp.arange(1, Tp + 1, dtype=jnp.int32)[None])
+  qh = (q * jnp.asarray(Dh**-0.5, q.dtype)).reshape(B, Tp, K, G, Dh).transpose(0, 2, 3, 1, 4)
+  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))
+  kernel = _splash_kernel(Tp, G, block, bool(interpret))
+
+  def per_device(qh, kh, vh, segments):
+    def one(qg, kk, vv, seg):
+      return kernel(qg, kk, vv, segment_ids=sa.SegmentIds(q=seg, kv=seg))
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    return jax.vmap(per_head)(qh, kh, vh, segments)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and math.prod(mesh.shape.values()) > 1:
+    P = jax.sharding.PartitionSpec
+    batch = partitioning.batch_spec((B,), mesh)[0]
+    heads = "tensor" if "tensor" in mesh.axis_names and K % mesh.shape["tensor"] == 0 else None
+    spec4 = P(batch, heads)
+    per_device = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(spec4, spec4, spec4, P(batch)),
+      out_specs=spec4,
+      check_vma=False,
+    )
+  out = per_device(qh, kh, vh, segments)  # [B, K, G, Tp, Dh]
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, Dh)[:, :T].astype(q.dtype)

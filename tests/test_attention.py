@@ -1,0 +1,271 @@
+"""Every attention implementation equals the dense reference: outputs and gradients, padding, GQA,
+lengths that are not a multiple of the tile, T = 1; the model with each one equals dense; the
+blockwise backward's compiled memory grows linearly, the dense one's quadratically."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gppo_jax import architectures, model, sharding
+from gppo_jax import attention as attn
+
+# cuDNN runs only on a GPU; elsewhere its wrapper (the rotation to right padding and the
+# sequence-length mask) is checked through the same call with XLA's implementation.
+ON_GPU = jax.default_backend() == "gpu"
+_cudnn = functools.partial(attn.cudnn, implementation="cudnn" if ON_GPU else "xla")
+IMPLS = {
+  "blockwise": functools.partial(attn.blockwise, block_size=8),  # several tiles, a ragged end
+  "cudnn": _cudnn,
+  "splash": attn.splash,  # interpret mode off TPU
+}
+# Real tokens in one contiguous run per row: left pads, right pads, both; row 3 has none padded.
+LAYOUTS = {"left": (5, 0), "right": (0, 7), "both": (3, 4), "none": (0, 0)}
+
+
+def _inputs(B=4, T=37, H=4, K=2, Dh=16, dtype=jnp.float32, seed=0, holes=False):
+  rng = np.random.default_rng(seed)
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  mask = np.ones((B, T), bool)
+  for row, (left, right) in enumerate(list(LAYOUTS.values())[:B]):
+    mask[row, :left] = False
+    mask[row, T - right :] = False
+  if holes:  # pads between real tokens (not a layout the project builds; cuDNN excluded)
+    mask[0, T // 2 : T // 2 + 3] = False
+  return (
+    draw(B, T, H, Dh),
+    draw(B, T, K, Dh),
+    draw(B, T, K, Dh),
+    jnp.asarray(mask),
+    draw(B, T, H, Dh),
+  )
+
+
+def _dense(q, k, v, mask):
+  return attn.dense(q, k, v, attn.self_allowed(mask))
+
+
+@functools.cache
+def _jit_out_and_grads(fn):
+  def run(q, k, v, mask, w):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
+    return out, vjp(w.astype(out.dtype))
+
+  return jax.jit(run)
+
+
+def _out_and_grads(fn, q, k, v, mask, w):
+  """fn's output and d/d(q, k, v) of sum(w * output), in one compiled call (cached per fn)."""
+  return _jit_out_and_grads(fn)(q, k, v, mask, w)
+
+
+@functools.cache
+def _case(**kwargs):
+  """(inputs, the dense reference's output and gradients), built once per set of arguments."""
+  q, k, v, mask, w = inputs = _inputs(**kwargs)
+  return inputs, _out_and_grads(_dense, q, k, v, mask, w)
+
+
+def _check(name, cases, atol):
+  """Each case (kwargs of _inputs): `name` equals dense in output and gradients (real queries
+  only for cuDNN, whose pad outputs are unspecified: their cotangent is zero, as in training)."""
+  for kwargs in cases:
+    (q, k, v, mask, w), want = _case(**kwargs)
+    if name == "cudnn":
+      w = w * mask[:, :, None, None].astype(w.dtype)
+      want = _out_and_grads(_dense, q, k, v, mask, w)
+    got = _out_and_grads(IMPLS[name], q, k, v, mask, w)
+    if name == "cudnn":
+      sel = np.asarray(mask)
+      got, want = (got[0][sel], got[1]), (want[0][sel], want[1])
+    f32 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float32), t)
+    chex.assert_trees_all_close(f32(got), f32(want), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("name", list(IMPLS))
+def test_float32_equals_dense(name):
+  """Left / right / both / no padding with GQA (4 query heads on 2 kv heads), T = 37 (not a
+  multiple of any tile); pads between real tokens (not for cuDNN); MQA at T = 9; T = 1 with MHA
+  (not for splash, which pads every length to 128 anyway)."""
+  cases = [dict(holes=name != "cudnn"), dict(T=9, H=2, K=1)]
+  if name != "splash":
+    cases.append(dict(B=1, T=1, K=4, seed=3))
+  _check(name, cases, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+  "name",
+  ["blockwise", pytest.param("splash", marks=pytest.mark.slow)] + (["cudnn"] if ON_GPU else []),
+)
+def test_bfloat16_close_to_dense(name):
+  """(splash in bf16 is slow to interpret on CPU: -m slow; its float32 test runs by default.)"""
+  _check(name, [dict(dtype=jnp.bfloat16, seed=5)], atol=6e-2)
+
+
+def test_cached_attention_equals_dense_cache_rule():
+  """Queries written at a traced offset into a partly filled cache (the prefill's case)."""
+  rng = np.random.default_rng(7)
+  B, T, S, H, K, Dh, off = 3, 21, 40, 4, 2, 8, 6
+  q, k, v, mask, _ = _inputs(B=B, T=T, H=H, K=K, Dh=Dh, seed=7)
+  old = lambda: jnp.asarray(rng.standard_normal((B, off, K, Dh)), jnp.float32)
+  cache = lambda new: jnp.zeros((B, S, K, Dh)).at[:, :off].set(old()).at[:, off : off + T].set(new)
+  ck, cv = cache(k), cache(v)
+  cmask = jnp.zeros((B, S), bool).at[:, :off].set(True).at[:, off : off + T].set(mask)
+  slots, qslot = jnp.arange(S)[None], off + jnp.arange(T)[:, None]
+  allowed = ((slots <= qslot)[None] & cmask[:, None]) | (slots == qslot)[None]
+  want = attn.dense(q, ck, cv, allowed)
+  for block in (8, 512):
+    got = jax.jit(
+      lambda o, block=block: attn.cached_attention(q, ck, cv, cmask, o, block_size=block)
+    )(jnp.int32(off))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_resolve_picks_by_backend_and_rejects_unknown_names():
+  r = functools.partial(attn.resolve, seq_len=4096, dtype=jnp.bfloat16, head_dim=128)
+  assert r("auto", backend="tpu") == "splash"
+  assert r("auto", backend="gpu") == "cudnn"
+  assert r("auto", backend="gpu", dtype=jnp.float32) == "blockwise"  # cuDNN: half precision
+  assert r("auto", backend="cpu") == "blockwise"
+  assert r("auto", backend="cpu", seq_len=64) == "dense"
+  assert r("dense", backend="tpu") == "dense"
+  with pytest.raises(ValueError, match="valid: auto, dense"):
+    r("flash")
+  assert architectures.ATTENTION == attn.IMPLEMENTATIONS
+  with pytest.raises(ValueError, match="attention='flash'"):
+    architectures.get("tiny", attention="flash")
+
+
+# --- The model with each attention ------------------------------------------------------------
+
+CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
+
+
+@pytest.fixture(scope="module")
+def weights():
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(CFG, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(1)
+  state = jax.tree.map(
+    lambda x: jnp.asarray(0.15 * rng.standard_normal(x.shape), x.dtype), abstract
+  )
+  for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+    state["layers"][name].set_value(state["layers"][name].get_value() + 1.0)
+  return state
+
+
+def _model_batch(B=4, T=29, seed=0):
+  rng = np.random.default_rng(seed)
+  mask = np.ones((B, T), bool)
+  mask[0, :6] = False  # left-padded prompt
+  mask[1, T - 5 :] = False  # right-padded response
+  mask[2, :2] = False
+  mask[2, T - 3 :] = False
+  tokens = np.where(mask, rng.integers(3, CFG.vocab_size, (B, T)), CFG.pad_token_id)
+  positions = model.positions_from_mask(jnp.asarray(mask))
+  return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), positions
+
+
+def _model_run(impl, state, tokens, mask, positions, grad):
+  """(loss, hidden states of real tokens[, parameter gradients]) of a log-prob loss."""
+  graphdef = model.abstract_graphdef(dataclasses.replace(CFG, attention=impl, remat="none"))
+
+  def loss(state):
+    m = nnx.merge(graphdef, state)
+    hidden, _ = m(tokens, positions, attn_mask=mask)
+    lp = model.chunked_logprobs(m, hidden, jnp.roll(tokens, -1, 1))["logprobs"]
+    return jnp.sum(jnp.where(mask, lp, 0.0)), hidden
+
+  if grad:
+    (value, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+  else:
+    (value, hidden), grads = jax.jit(loss)(state), None
+  return value, np.asarray(hidden)[np.asarray(mask)], grads
+
+
+@pytest.fixture(scope="module")
+def dense_model(weights):
+  batch = _model_batch()
+  return batch, _model_run("dense", weights, *batch, grad=True)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "cudnn", "splash"])
+def test_model_equals_dense(impl, weights, dense_model, monkeypatch):
+  """Loss and real tokens' hidden states; parameter gradients too for blockwise (the kernels'
+  own gradients are checked above, model-level compiles of them would double this file's time)."""
+  if impl == "cudnn":
+    monkeypatch.setattr(attn, "cudnn", _cudnn)
+  batch, want = dense_model
+  got = _model_run(impl, weights, *batch, grad=impl == "blockwise")
+  if impl != "blockwise":
+    want = want[:2] + (None,)
+  chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
+
+
+def test_model_prefill_with_blockwise_equals_dense(weights):
+  """The KV-cache call with several tokens at a traced cache_index (the sampler's prefill)."""
+  tokens, mask, positions = _model_batch(B=3, T=13, seed=4)
+
+  def run(impl):
+    graphdef = model.abstract_graphdef(dataclasses.replace(CFG, attention=impl))
+
+    @jax.jit
+    def prefill(state, index):
+      cache = model.init_cache(CFG, 3, 24)
+      m = nnx.merge(graphdef, state)
+      return m(tokens, positions, attn_mask=mask, cache=cache, cache_index=index)
+
+    return prefill(weights, jnp.int32(0))
+
+  (h_block, c_block), (h_dense, c_dense) = run("blockwise"), run("dense")
+  np.testing.assert_allclose(np.asarray(h_block)[mask], np.asarray(h_dense)[mask], atol=2e-5)
+  chex.assert_trees_all_close(c_block, c_dense, atol=1e-5)
+
+
+def test_splash_under_a_mesh_equals_dense():
+  """Under a (data, fsdp, tensor) mesh the kernel runs per device in shard_map."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, jax.devices()[:4])
+  q, k, v, mask, w = _inputs(T=20, seed=9)
+  with jax.set_mesh(mesh):
+    got = _out_and_grads(attn.splash, q, k, v, mask, w)
+  chex.assert_trees_all_close(got, _out_and_grads(_dense, q, k, v, mask, w), atol=2e-5)
+
+
+# --- Memory -------------------------------------------------------------------------------------
+
+
+def _grad_temp_bytes(fn, T):
+  q, k, v = (jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32) for _ in range(3))
+  mask = jax.ShapeDtypeStruct((1, T), jnp.bool_)
+  loss = lambda q, k, v, m: jnp.sum(fn(q, k, v, m))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, mask).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_gradient_memory_is_linear_in_length():
+  """Compiled (not run): doubling T at most ~doubles blockwise's temporaries, which stay below a
+  quarter of one float32 score tensor [1, 2, T, T], while dense holds at least one."""
+  block = functools.partial(attn.blockwise, block_size=128)
+  b1, b2 = _grad_temp_bytes(block, 1024), _grad_temp_bytes(block, 2048)
+  d1, d2 = _grad_temp_bytes(_dense, 1024), _grad_temp_bytes(_dense, 2048)
+  scores = lambda T: 2 * T * T * 4
+  assert b2 < 2.5 * b1, (b1, b2)
+  assert b2 < scores(2048) / 4, b2
+  assert d1 >= scores(1024) and d2 >= scores(2048), (d1, d2)
+
+
+def test_config_model_fields_reach_the_model_config():
+  from gppo_jax import config_lib, experiment
+
+  c = config_lib.base("smoke")
+  c.model.attention, c.model.remat = "blockwise", "dots"
+  c.warmstart.enabled = False
+  config_lib.validate(c)
+  _, _, cfg, _, _ = experiment.build_policy(c, say=lambda _: None)
+  assert (cfg.attention, cfg.remat) == ("blockwise", "dots")
