@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gppo_jax.model import chunked_logprob_stats
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from gppo_jax.model import chunked_logprob_stats  # noqa: E402
 
 
 def naive_loss(h, w, targets, weights, temperature):

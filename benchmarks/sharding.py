@@ -14,7 +14,9 @@ shardings. Ratios are against N = 1 in the same run.
 from __future__ import annotations
 
 import os
+import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
