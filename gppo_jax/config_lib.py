@@ -135,6 +135,10 @@ def base(
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
+  # Which distribution the behaviour log-probs (and the current policy's in the update) are of:
+  # "full" = softmax(logits / T), "sampled" = the one sampled from, truncated by top_k / top_p and
+  # renormalised (the current policy over the behaviour's kept set). README "Training".
+  c.rollout.logprobs_mode = "full"
   c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
   # DAPO's dynamic sampling (with advantage.filter_zero_signal): up to this many extra generation
   # rounds per iteration to fill the batch with groups that carry signal (0 = only mask them).
@@ -443,6 +447,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.number("rollout.top_p", 0, 1, lo_open=True)
   k.integer("rollout.top_k", 0)
   k.integer("rollout.num_topk", 0)
+  k.choice("rollout.logprobs_mode", ("full", "sampled"))
   k.flag("rollout.recompute_logprobs")
   k.integer("rollout.refill_rounds", 0)
   # Loss.
@@ -516,6 +521,12 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     raise errors.ConfigError(
       f"rollout.refill_rounds={r.refill_rounds} refills the groups advantage.filter_zero_signal "
       "drops: set advantage.filter_zero_signal=True (DAPO's dynamic sampling) or refill_rounds=0"
+    )
+  if r.logprobs_mode == "sampled" and r.top_p < 1 and not r.top_k:
+    raise errors.ConfigError(
+      f"rollout.logprobs_mode='sampled' with rollout.top_p={r.top_p} needs rollout.top_k > 0: "
+      "the behaviour's kept set is recorded as top_k token ids per response token (e.g. "
+      "rollout.top_k=64), or use rollout.logprobs_mode='full'"
     )
   _check_eval_relations(c.eval)
   if c.loss.estimator == "topk" and not r.num_topk:

@@ -200,6 +200,7 @@ def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
     stop_ids=tuple(stop_ids),
     pad_id=pad_id,
     num_topk=r.num_topk,
+    logprobs_mode=train_step.LOGPROBS_MODES[r.get("logprobs_mode", "full")],
   )
 
 

@@ -201,6 +201,8 @@ def collect(
   optional = {}
   if use_topk:
     optional = dict(topk_logq=out.topk_logprobs, topk_ids=out.topk_ids)
+  if out.kept_ids is not None:  # logprobs_mode "sampled": the set the update renormalises over
+    optional["kept_ids"] = out.kept_ids
   batch = train_step.build_batch(
     batch_groups.prompt_tokens,
     batch_groups.prompt_mask,

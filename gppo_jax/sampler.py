@@ -15,7 +15,11 @@ generated token, log softmax(logits / T)[token]: exactly what the trainer recomp
 start of an update (a mismatch here silently biases RL). With top-k / top-p the tokens are actually
 drawn from the *truncated* renormalised distribution, which differs from softmax(logits / T); pass
 `logprobs_mode="truncated"` to get log-probs (and top-K) under the distribution really sampled from.
-Greedy decoding ignores T; its log-probs (and top-K) are under softmax(logits), i.e. T = 1.
+With top_k > 0 that mode also records the kept set itself (`SampleOutput.kept_ids`, the top_k ids
+with -1 for those top-p cut), so that the trainer can renormalise the current policy over the same
+set (`train_step`); the set is then exactly the first ranks of `lax.top_k` (a tie with the last
+kept logit is broken by the lower token id, not kept as well). Greedy decoding ignores T; its
+log-probs (and top-K) are under softmax(logits), i.e. T = 1.
 
 What a call costs. The prompt is run once per group of identical consecutive rows (`group_size`:
 the trainer's G samples of a prompt) and its KV cache and first-token logits are broadcast to the
@@ -64,6 +68,8 @@ class SamplingParams:
   stop_ids: token ids that end a row (the stop token itself is kept and masked True).
   num_topk: if > 0, also return the top-`num_topk` log-probs and ids at every generated position,
   under the same distribution as the behaviour log-probs (see the module docstring).
+  logprobs_mode: "tempered" (log softmax(logits / T)) or "truncated" (the renormalised kept set
+  actually sampled from; with top_k > 0 the set is recorded as `SampleOutput.kept_ids`).
   """
 
   max_new_tokens: int
@@ -91,6 +97,13 @@ class SamplingParams:
       raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
     object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
 
+  @property
+  def kept_width(self) -> int:
+    """Ids per token of the recorded kept set (`SampleOutput.kept_ids`): top_k in "truncated" mode
+    with top_k > 0, else 0 (nothing recorded)."""
+    truncated = self.logprobs_mode == "truncated" and not self.greedy
+    return self.top_k if truncated and self.top_k > 0 else 0
+
 
 @flax.struct.dataclass
 class SampleOutput:
@@ -99,7 +112,9 @@ class SampleOutput:
   tokens: int32 [B, N]; logprobs: float32 [B, N] behaviour log-probs (0 where mask is False);
   mask: bool [B, N], True for generated tokens up to and including the stop token;
   lengths: int32 [B] = mask.sum(-1); topk_logprobs / topk_ids: [B, N, K] sorted descending
-  (None unless num_topk > 0; -inf / pad_id where mask is False).
+  (None unless num_topk > 0; -inf / pad_id where mask is False); kept_ids: int32 [B, N, top_k],
+  the kept set each token was drawn from, -1 for ranks cut by top-p, every rank where mask is False
+  and past the vocabulary (None unless `SamplingParams.kept_width`).
   """
 
   tokens: jax.Array
@@ -108,6 +123,7 @@ class SampleOutput:
   lengths: jax.Array
   topk_logprobs: jax.Array | None = None
   topk_ids: jax.Array | None = None
+  kept_ids: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -124,6 +140,7 @@ class SamplerState:
   mask: jax.Array
   topk_logprobs: jax.Array | None
   topk_ids: jax.Array | None
+  kept_ids: jax.Array | None = None
 
 
 def left_pad(
@@ -185,10 +202,17 @@ def _truncation_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Ar
   vals, _ = jax.lax.top_k(scaled, k)  # sorted descending
   if top_p >= 1.0:
     return vals[:, -1:]
+  keep = _top_p_ranks(vals, top_p)
+  return jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
+
+
+def _top_p_ranks(vals: jax.Array, top_p: float) -> jax.Array:
+  """bool [B, k]: the ranks top-p keeps of logits sorted descending (renormalised over the k)."""
+  if top_p >= 1.0:
+    return jnp.ones(vals.shape, bool)
   probs = jax.nn.softmax(vals, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < top_p  # the most likely token is always kept
-  return jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)
+  return mass_before < top_p  # the most likely token is always kept
 
 
 def _last_positive(x: jax.Array) -> jax.Array:
@@ -232,7 +256,8 @@ def _draw(key: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
-  """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None).
+  """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None,
+  kept ids or None).
 
   One exp pass serves the draw and the log-normaliser: logprob = x[token] - logsumexp(x) for the
   tempered logits x (or the truncated ones, -inf outside the kept set).
@@ -240,9 +265,22 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   x = logits if p.greedy else logits / p.temperature
   top = jnp.max(x, axis=-1, keepdims=True)  # always kept by truncation, so shared by both
   e = jnp.exp(x - top)
+  kept_ids = None
   if p.greedy:
     token = jnp.argmax(x, axis=-1).astype(jnp.int32)
     dist, norm = x, e
+  elif p.kept_width:
+    # The kept set by rank (recorded, so the trainer renormalises over exactly this set), drawn
+    # with the same inverse CDF over the vocabulary as below: equal draws when no logits tie.
+    vals, ids = jax.lax.top_k(x, min(p.top_k, x.shape[-1]))
+    keep = _top_p_ranks(vals, p.top_p)
+    rows = jnp.arange(x.shape[0])[:, None]
+    norm = jnp.zeros_like(e).at[rows, ids].set(jnp.where(keep, jnp.exp(vals - top), 0.0))
+    dist = jnp.full_like(x, -jnp.inf).at[rows, ids].set(jnp.where(keep, vals, -jnp.inf))
+    token = _draw(key, norm)
+    kept_ids = jnp.where(keep, ids, -1)
+    if kept_ids.shape[-1] < p.top_k:  # top_k past the vocabulary
+      kept_ids = jnp.pad(kept_ids, ((0, 0), (0, p.top_k - kept_ids.shape[-1])), constant_values=-1)
   else:
     threshold = _truncation_threshold(x, p.top_k, p.top_p)
     kept = x if threshold is None else jnp.where(x >= threshold, x, -jnp.inf)
@@ -255,10 +293,10 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   if p.num_topk > 0:
     vals, ids = jax.lax.top_k(dist, p.num_topk)
     topk = (vals - lse, ids)
-  return token, logprob, topk
+  return token, logprob, topk, kept_ids
 
 
-def _record(state: SamplerState, token, logprob, topk, p: SamplingParams) -> SamplerState:
+def _record(state: SamplerState, token, logprob, topk, kept, p: SamplingParams) -> SamplerState:
   """Writes the token drawn for response index `state.step` and advances the done flags."""
   live = ~state.done
   token = jnp.where(live, token, p.pad_id)
@@ -276,6 +314,8 @@ def _record(state: SamplerState, token, logprob, topk, p: SamplingParams) -> Sam
     vals, ids = topk
     updates["topk_logprobs"] = put(state.topk_logprobs, jnp.where(live[:, None], vals, -jnp.inf))
     updates["topk_ids"] = put(state.topk_ids, jnp.where(live[:, None], ids, p.pad_id))
+  if kept is not None:
+    updates["kept_ids"] = put(state.kept_ids, jnp.where(live[:, None], kept, -1))
   stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
   return state.replace(
     step=state.step + 1,
@@ -366,6 +406,7 @@ def sample(
     mask=jnp.zeros((batch, n), bool),
     topk_logprobs=jnp.full((batch, n, k), -jnp.inf, jnp.float32) if k else None,
     topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
+    kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
   )
   state = _record(state, *_sample_token(logits, jax.random.fold_in(rng, 0), sampling), sampling)
 
@@ -390,6 +431,7 @@ def sample(
       lengths=s.mask.sum(axis=-1).astype(jnp.int32),
       topk_logprobs=s.topk_logprobs,
       topk_ids=s.topk_ids,
+      kept_ids=s.kept_ids,
     )
 
   def decode(i: int, s: SamplerState) -> SampleOutput:
@@ -557,6 +599,7 @@ def jit_sampler(
     lengths=rows,
     topk_logprobs=rows if k else None,
     topk_ids=rows if k else None,
+    kept_ids=rows if sampling.kept_width else None,
   )
 
   def sample_on_mesh(params, prompt_tokens, prompt_mask, rng):

@@ -40,6 +40,8 @@ class Batch:
   ref_logp: Any = None  # float32 [N, R]: frozen reference policy (KL penalty)
   topk_logq: Any = None  # float32 [N, R, K]: behaviour top-K log-probs (topk estimator)
   topk_ids: Any = None  # int32 [N, R, K]
+  # The behaviour's kept set (rollout.logprobs_mode="sampled" with top-k/top-p): ids, -1 = not kept.
+  kept_ids: Any = None  # int32 [N, R, top_k]
 
   @property
   def num_rows(self) -> int:
@@ -113,7 +115,18 @@ def update_spec_from_config(config, prompt_len: int, response_len: int) -> Updat
     minibatches=u.minibatches,
     microbatches=u.microbatches,
     temperature=config.rollout.temperature,
+    kept_width=kept_width(config.rollout),
   )
+
+
+LOGPROBS_MODES = {"full": "tempered", "sampled": "truncated"}  # config name -> the sampler's
+
+
+def kept_width(rollout) -> int:
+  """Ids per token of the behaviour's recorded kept set: rollout.top_k in logprobs_mode "sampled"
+  (config_lib.validate asks for top_k > 0 whenever top_p < 1 there), else 0."""
+  sampled = rollout.get("logprobs_mode", "full") == "sampled"
+  return int(rollout.top_k) if sampled and rollout.top_k > 0 else 0
 
 
 def abstract_batch(
@@ -135,6 +148,7 @@ def abstract_batch(
     ref_logp=s((n, R), jnp.float32) if spec.use_ref_logp else None,
     topk_logq=s((n, R, K), jnp.float32) if spec.use_topk else None,
     topk_ids=s((n, R, K), jnp.int32) if spec.use_topk else None,
+    kept_ids=s((n, R, spec.kept_width), jnp.int32) if spec.kept_width else None,
   )
 
 
@@ -153,7 +167,7 @@ def build_batch(
 
   The teacher-forcing arrays inputs/targets/positions/attn [N, P + R - 1] are built here;
   `loss_mask` (default: resp_mask) says which response tokens the loss counts; `optional` fills
-  ref_logp / topk_logq / topk_ids."""
+  ref_logp / topk_logq / topk_ids / kept_ids."""
   full = np.concatenate([prompt_tokens, resp_tokens], axis=1).astype(np.int32)
   attn = np.concatenate([prompt_mask, resp_mask], axis=1).astype(bool)
   positions = np.maximum(np.cumsum(attn, axis=1) - 1, 0).astype(np.int32)
@@ -170,15 +184,53 @@ def build_batch(
 
 
 def _response_stats(model, batch, *, prompt_len, temperature, entropy=False, gather=False):
+  """Log-probs of the response tokens ("logprobs" [N, R]; with gather, "gathered_logprobs" of
+  batch.topk_ids [N, R, K]; with entropy, "entropy"). With batch.kept_ids (logprobs_mode "sampled")
+  both log-probs are those of the policy renormalised over the behaviour's kept set
+  (`truncate_to_kept`); the entropy stays that of the full tempered distribution."""
   hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn)
   hidden = hidden[:, prompt_len - 1 :]
   targets = batch.targets[:, prompt_len - 1 :]
-  kwargs = {}
+  ids = []
   if gather:
-    kwargs["gather_ids"] = batch.topk_ids
-  return model_lib.chunked_logprobs(
+    ids.append(batch.topk_ids)
+  if batch.kept_ids is not None:
+    ids.append(jnp.maximum(batch.kept_ids, 0))  # -1 (not kept) gathers id 0, masked below
+  kwargs = {"gather_ids": jnp.concatenate(ids, axis=-1)} if ids else {}
+  stats = model_lib.chunked_logprobs(
     model, hidden, targets, temperature=temperature, entropy=entropy, **kwargs
   )
+  if batch.kept_ids is None:
+    return stats
+  width = batch.kept_ids.shape[-1]
+  gathered = stats.pop("gathered_logprobs")
+  topk = gathered[..., :-width] if gather else None
+  stats["logprobs"], topk = truncate_to_kept(
+    stats["logprobs"], gathered[..., -width:], batch.kept_ids, topk, batch.topk_ids
+  )
+  if gather:
+    stats["gathered_logprobs"] = topk
+  return stats
+
+
+def truncate_to_kept(logp, kept_logp, kept_ids, topk_logp=None, topk_ids=None):
+  """Log-probs of a policy renormalised over the behaviour's kept set S (top-k / top-p).
+
+  logp [...]: log pi(a) of the sampled tokens (a is in S: the behaviour drew it from S);
+  kept_logp [..., K]: log pi of kept_ids [..., K] (-1 = not in S). Returns log pi(a) - log pi(S),
+  and with topk_logp / topk_ids [..., J] the same for those ids (-inf outside S). Positions with
+  an empty S (padding) get log pi(a) back unchanged, and every gradient stays finite.
+  """
+  valid = kept_ids >= 0
+  has = jnp.any(valid, axis=-1)
+  # An all-(-inf) row would give logsumexp -inf and a NaN gradient: such rows sum zeros instead.
+  masked = jnp.where(valid, kept_logp, jnp.where(has[..., None], -jnp.inf, 0.0))
+  log_mass = jnp.where(has, jax.nn.logsumexp(masked, axis=-1), 0.0)
+  out = logp - log_mass
+  if topk_logp is None:
+    return out, None
+  in_set = jnp.any(topk_ids[..., :, None] == jnp.where(valid, kept_ids, -2)[..., None, :], -1)
+  return out, jnp.where(in_set, topk_logp - log_mass[..., None], -jnp.inf)
 
 
 def make_logprob_fn(graphdef: nnx.GraphDef, *, prompt_len: int, temperature: float) -> Callable:
@@ -202,6 +254,9 @@ class UpdateSpec:
   minibatches: int = 1
   microbatches: int = 1
   temperature: float = 1.0
+  # rollout.logprobs_mode "sampled" with truncation: the batch carries the behaviour's kept set
+  # (kept_ids, this many ids per token) and the current policy is renormalised over it.
+  kept_width: int = 0
 
   @property
   def use_topk(self) -> bool:
