@@ -525,8 +525,10 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   if r.logprobs_mode == "sampled" and r.top_p < 1 and not r.top_k:
     raise errors.ConfigError(
       f"rollout.logprobs_mode='sampled' with rollout.top_p={r.top_p} needs rollout.top_k > 0: "
-      "the behaviour's kept set is recorded as top_k token ids per response token (e.g. "
-      "rollout.top_k=64), or use rollout.logprobs_mode='full'"
+      "the update renormalises the policy over the set each token was drawn from, recorded as "
+      "top_k ids per response token (top-p alone could keep the whole vocabulary); set e.g. "
+      "rollout.top_k=64 (top-p then keeps part of the 64 most likely tokens), or use "
+      "rollout.logprobs_mode='full'"
     )
   _check_eval_relations(c.eval)
   if c.loss.estimator == "topk" and not r.num_topk:

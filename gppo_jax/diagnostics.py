@@ -2,10 +2,13 @@
 
 The figures and what they mean: docs/math.md#diagnostics.
 
-For the response tokens of a rollout batch, with the behaviour policy mu and the current policy pi:
+For the response tokens of a rollout batch, with the behaviour policy mu and the current policy pi
+(in rollout.logprobs_mode "sampled" both renormalised over each token's recorded kept set, the
+distributions the loss compares):
 
-  exact        D_f(pi || mu) = sum_a mu(a) f(pi(a) / mu(a)) over the full vocabulary, per state
-               (`estimators.exact_from_logits`), for the loss's divergence and optionally others;
+  exact        D_f(pi || mu) = sum_a mu(a) f(pi(a) / mu(a)) over the full vocabulary (the kept
+               set), per state (`estimators.exact_from_logits`), for the loss's divergence and
+               optionally others;
   estimators   mc, binary, atomic (topk when the batch carries mu's top-K ids, and any other
                registered per-token estimator) on the same sampled tokens; per estimator the bias
                (mean of estimate - exact), the variance of that error, the correlation with exact,
@@ -71,6 +74,7 @@ def token_stats_from_logits(
   divergences: Sequence[str | divs.Divergence] = ("kl",),
   temperature: float = 1.0,
   gather_ids: Array | None = None,
+  kept_ids: Array | None = None,
 ) -> dict[str, Array]:
   """Per-token statistics of pi = softmax(logits_p / T) and mu = softmax(logits_q / T).
 
@@ -79,20 +83,31 @@ def token_stats_from_logits(
     targets: int [B, T] the sampled tokens.
     divergences: the divergences whose exact value is computed.
     gather_ids: optional int [B, T, K] (mu's top-K ids) whose log-probs are gathered.
+    kept_ids: optional int [B, T, W], the behaviour's kept set of each token (-1 = no id;
+      rollout.logprobs_mode "sampled"): both policies are then renormalised over that set, the
+      distributions the loss compares (`train_step.truncate_to_kept`); positions with no id keep
+      the full vocabulary.
 
   Returns float32 arrays: "logp", "logq", "entropy" (of pi), "entropy_behaviour" (of mu) [B, T];
-  "exact/<name>" [B, T] per divergence; with gather_ids, "topk_logp", "topk_logq" [B, T, K].
+  "exact/<name>" [B, T] per divergence; with gather_ids, "topk_logp", "topk_logq" [B, T, K]
+  (-inf for ids outside the kept set).
   """
   zp = jnp.asarray(logits_p, jnp.float32) / temperature
   zq = jnp.asarray(logits_q, jnp.float32) / temperature
+  if kept_ids is not None:
+    in_set = kept_set_mask(kept_ids, zp.shape[-1])
+    zp = jnp.where(in_set, zp, -jnp.inf)
+    zq = jnp.where(in_set, zq, -jnp.inf)
   lp = jax.nn.log_softmax(zp, axis=-1)
   lq = jax.nn.log_softmax(zq, axis=-1)
   ids = jnp.asarray(targets)[..., None]
+  # 0 log 0 = 0 outside a kept set (exp(-inf) * -inf would be NaN).
+  plogp = lambda l: jnp.where(l > -jnp.inf, jnp.exp(l) * l, 0.0)
   out = {
     "logp": jnp.take_along_axis(lp, ids, axis=-1)[..., 0],
     "logq": jnp.take_along_axis(lq, ids, axis=-1)[..., 0],
-    "entropy": -jnp.sum(jnp.exp(lp) * lp, axis=-1),
-    "entropy_behaviour": -jnp.sum(jnp.exp(lq) * lq, axis=-1),
+    "entropy": -jnp.sum(plogp(lp), axis=-1),
+    "entropy_behaviour": -jnp.sum(plogp(lq), axis=-1),
   }
   for div in divergences:
     div = divs.get(div)
@@ -101,6 +116,20 @@ def token_stats_from_logits(
     out["topk_logp"] = jnp.take_along_axis(lp, gather_ids, axis=-1)
     out["topk_logq"] = jnp.take_along_axis(lq, gather_ids, axis=-1)
   return out
+
+
+def kept_set_mask(kept_ids: Array, vocab: int) -> Array:
+  """bool [..., V]: True on the ids of kept_ids [..., W] (-1 = no id); a position with no id at
+  all (a padding token) is True everywhere, i.e. keeps the full vocabulary."""
+  kept_ids = jnp.asarray(kept_ids)
+  valid = kept_ids >= 0
+  lead = kept_ids.shape[:-1]
+  flat_ids = jnp.where(valid, kept_ids, 0).reshape(-1, kept_ids.shape[-1])
+  rows = jnp.arange(flat_ids.shape[0])[:, None]
+  # Scatter-max, so that the -1 placeholders (sent to id 0) never clear a kept id 0.
+  hits = jnp.zeros((flat_ids.shape[0], vocab), jnp.int32)
+  hits = hits.at[rows, flat_ids].max(valid.reshape(flat_ids.shape).astype(jnp.int32))
+  return (hits > 0).reshape(*lead, vocab) | ~jnp.any(valid, axis=-1)[..., None]
 
 
 def _project(hidden: Array, w: Array, tied: bool) -> Array:
@@ -121,12 +150,14 @@ def token_stats_chunked(
   divergences: Sequence[str | divs.Divergence] = ("kl",),
   chunk_size: int = 16,
   gather_ids: Array | None = None,
+  kept_ids: Array | None = None,
 ) -> dict[str, Array]:
   """`token_stats_from_logits` from final hidden states and unembeddings, chunk by chunk.
 
   hidden_p, hidden_q [B, T, D]; w_p, w_q [D, V] ([V, D] if tied); targets int [B, T]; gather_ids
-  int [B, T, K]. The sequence is cut into chunks of `chunk_size` positions; each chunk's
-  [B, chunk, V] logits of both policies are built and dropped inside one `lax.scan` step.
+  int [B, T, K]; kept_ids int [B, T, W] (see there). The sequence is cut into chunks of
+  `chunk_size` positions; each chunk's [B, chunk, V] logits of both policies are built and
+  dropped inside one `lax.scan` step.
   """
   if hidden_p.shape != hidden_q.shape or hidden_p.shape[:2] != jnp.shape(targets):
     raise ValueError(
@@ -145,6 +176,9 @@ def token_stats_chunked(
   xs = {"hp": chunks(hidden_p), "hq": chunks(hidden_q), "t": chunks(jnp.asarray(targets))}
   if gather_ids is not None:
     xs["g"] = chunks(jnp.asarray(gather_ids))
+  if kept_ids is not None:
+    xs["k"] = jnp.pad(jnp.asarray(kept_ids), ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    xs["k"] = xs["k"].reshape(B, n, C, -1).swapaxes(0, 1)
 
   def step(_, x):
     stats = token_stats_from_logits(
@@ -154,6 +188,7 @@ def token_stats_chunked(
       divergences=divergences,
       temperature=temperature,
       gather_ids=x.get("g"),
+      kept_ids=x.get("k"),
     )
     return None, stats
 
@@ -420,8 +455,10 @@ def make_diagnostics_fn(
 
   batch: the update's rollout batch (`train_step`; a dict or a dataclass with these fields):
   inputs, targets, positions, attn [N, L], mask [N, R], adv [N]; optional topk_ids [N, R, K]
-  (adds the topk estimator) and logq [N, R] (the sampler's record, compared with the recomputed
-  one as <prefix>/behaviour_logq_gap).
+  (adds the topk estimator), kept_ids [N, R, W] (rollout.logprobs_mode "sampled": both policies
+  renormalised over each token's kept set, as in the loss, so "exact" is D_f between the
+  truncated distributions and the entropies are theirs) and logq [N, R] (the sampler's record,
+  compared with the recomputed one as <prefix>/behaviour_logq_gap).
   mu is recomputed from params_behaviour with the trainer's forward pass, so the exact divergence
   and every estimate see the same behaviour distribution. `divergences`: extra divergences whose
   exact mean is logged (e.g. PAPER_DIVERGENCES). `chunk_size`: response positions per chunk of
@@ -456,6 +493,7 @@ def make_diagnostics_fn(
       divergences=all_divs,
       chunk_size=chunk_size,
       gather_ids=topk_ids,
+      kept_ids=_field(batch, "kept_ids"),
     )
     m = diagnostics_from_stats(
       stats,

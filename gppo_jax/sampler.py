@@ -63,8 +63,9 @@ class SamplingParams:
   """Static sampling settings (hashable, so one compiled sampler per distinct setting).
 
   temperature / top_k / top_p: logits / T, then top-k, then top-p on the top-k renormalised (the
-  Hugging Face order); tokens tied with the last kept logit are kept too. top_p < 1 without top_k
-  sorts the whole vocabulary every step. greedy=True ignores all three (argmax of the logits).
+  Hugging Face order); tokens tied with the last kept logit are kept too (not when the kept set is
+  recorded, `kept_width`: see the module docstring). top_p < 1 without top_k sorts the whole
+  vocabulary every step. greedy=True ignores all three (argmax of the logits).
   stop_ids: token ids that end a row (the stop token itself is kept and masked True).
   num_topk: if > 0, also return the top-`num_topk` log-probs and ids at every generated position,
   under the same distribution as the behaviour log-probs (see the module docstring).

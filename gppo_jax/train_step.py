@@ -219,7 +219,7 @@ def truncate_to_kept(logp, kept_logp, kept_ids, topk_logp=None, topk_ids=None):
   logp [...]: log pi(a) of the sampled tokens (a is in S: the behaviour drew it from S);
   kept_logp [..., K]: log pi of kept_ids [..., K] (-1 = not in S). Returns log pi(a) - log pi(S),
   and with topk_logp / topk_ids [..., J] the same for those ids (-inf outside S). Positions with
-  an empty S (padding) get log pi(a) back unchanged, and every gradient stays finite.
+  an empty S (padding) get their log-probs back unchanged, and every gradient stays finite.
   """
   valid = kept_ids >= 0
   has = jnp.any(valid, axis=-1)
@@ -230,6 +230,7 @@ def truncate_to_kept(logp, kept_logp, kept_ids, topk_logp=None, topk_ids=None):
   if topk_logp is None:
     return out, None
   in_set = jnp.any(topk_ids[..., :, None] == jnp.where(valid, kept_ids, -2)[..., None, :], -1)
+  in_set |= ~has[..., None]
   return out, jnp.where(in_set, topk_logp - log_mass[..., None], -jnp.inf)
 
 
