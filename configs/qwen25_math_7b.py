@@ -11,6 +11,11 @@ dppo_kl, ripo; default kl_atomic) and `smoke`, e.g. `:gpu8,cell=tv_atomic,smoke`
 DAPO-Math-17k, evaluated on MATH-500, AIME 2024/2025, AMC 2023, Minerva Math and OlympiadBench;
 the files are where `python -m gppo_jax.prepare_data NAME --out /data/{train,eval}/NAME.jsonl`
 writes them, the model under /data/models (see launch/README.md).
+
+Answers are read from the last \boxed{} (reward.answer_format="boxed"), which is what the prompts
+ask for: prepare_data removes DAPO-Math-17k's own `Answer:`-line wrapper, so training and the six
+benchmarks share one instruction. DAPO's format is `--config.reward.answer_format=answer_line`
+(its instruction then replaces the \boxed{} one, in training and evaluation alike).
 """
 
 from gppo_jax import config_lib

@@ -166,6 +166,10 @@ def base(
   c.reward.overlong_buffer = 0
   c.reward.format_coef = 0.0
   c.reward.overlong_filter = False  # DAPO: truncated responses are left out of the loss
+  # Where a math response's final answer is read (math_reward.ANSWER_FORMATS): "boxed" (the last
+  # \boxed{}), "answer_line" (DAPO's last `Answer: ...` line) or "either" (the box, else the line).
+  # With data.instruction None it also picks the prompts' instruction. README "Rewards".
+  c.reward.answer_format = "boxed"
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"  # grpo | dr_grpo | rloo | batch_std
@@ -459,7 +463,10 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.number("loss.dual_clip", 1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")
   k.number("loss.kl_coef", 0)
   k.number("loss.entropy_coef", 0)
-  # Reward shaping.
+  # Rewards and their shaping.
+  from gppo_jax import math_reward  # no jax: extraction and the worker pool
+
+  k.choice("reward.answer_format", tuple(math_reward.ANSWER_FORMATS))
   k.number("reward.format_coef", 0, note=" (0 = off)")
   if _is_int(c.rollout.max_new_tokens):
     longest = c.rollout.max_new_tokens
@@ -648,6 +655,9 @@ def real_run(
   c.data.kind = kind
   c.data.max_prompt_tokens = max_prompt_tokens
   c.data.verifier_workers = 16
+  # The prompts ask for \boxed{} (data.instruction None; prepare_data strips DAPO-Math-17k's
+  # `Answer:` wrapper), like every evaluation set; DAPO's own format: answer_format="answer_line".
+  c.reward.answer_format = "boxed"
   c.rollout.prompts_per_iter = v["prompts"]
   c.rollout.group_size = 8
   c.rollout.max_new_tokens = max_new_tokens

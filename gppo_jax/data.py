@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 
 TASKS = ("math", "code")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# The instruction of DAPO-Math-17k's prompts (answer on an `Answer:` line), after the problem: the
+# default for reward.answer_format="answer_line".
+ANSWER_LINE_INSTRUCTION = (
+  "Solve the problem step by step. The last line of your response should be of the form "
+  "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+  'Remember to put your answer on its own line after "Answer:".'
+)
 ROLES = ("system", "user", "assistant")
 
 

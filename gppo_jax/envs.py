@@ -120,9 +120,23 @@ class BuiltinEnv:
 
 
 class DataEnv:
-  """Prompts from local files, scored by math-verify (kind="math") or the code sandbox ("code")."""
+  """Prompts from local files, scored by math-verify (kind="math") or the code sandbox ("code").
 
-  def __init__(self, data_cfg, tokenizer, *, seed: int, batch_size: int, max_new_tokens: int):
+  answer_format (config.reward.answer_format, math only): where a response's final answer is read,
+  `math_reward.ANSWER_FORMATS`; with data.instruction None it also picks the instruction the
+  prompts end with (\\boxed{} for "boxed" and "either", DAPO's `Answer:` line for "answer_line").
+  """
+
+  def __init__(
+    self,
+    data_cfg,
+    tokenizer,
+    *,
+    seed: int,
+    batch_size: int,
+    max_new_tokens: int,
+    answer_format: str = "boxed",
+  ):
     from gppo_jax import data as data_lib
 
     self.tokenizer = tokenizer
@@ -137,13 +151,23 @@ class DataEnv:
     if self.kind == "math":
       from gppo_jax import math_reward
 
+      if answer_format not in math_reward.ANSWER_FORMATS:
+        raise errors.ConfigError(
+          f"reward.answer_format={answer_format!r}; valid: {', '.join(math_reward.ANSWER_FORMATS)}"
+        )
       self._scorer = math_reward.MathVerifier(
-        num_workers=data_cfg.verifier_workers, timeout_s=data_cfg.verifier_timeout_s
+        num_workers=data_cfg.verifier_workers,
+        timeout_s=data_cfg.verifier_timeout_s,
+        mode=math_reward.ANSWER_FORMATS[answer_format],
       )
       check = self._scorer.check_golds
     instruction = data_cfg.instruction
     if instruction is None and self.kind == "math":
-      instruction = data_lib.MATH_INSTRUCTION
+      instruction = (
+        data_lib.ANSWER_LINE_INSTRUCTION
+        if answer_format == "answer_line"
+        else data_lib.MATH_INSTRUCTION
+      )
     load = dict(
       task=self.kind,
       fields=fields,
@@ -231,12 +255,13 @@ def shape_rewards(
   max_len: int,
   overlong_buffer: int = 0,
   format_coef: float = 0.0,
+  answer_format: str = "boxed",
 ) -> tuple[np.ndarray, dict[str, float]]:
   """Optional reward shaping on top of correctness (both off by default).
 
   overlong_buffer > 0: DAPO's soft overlong penalty over the last `overlong_buffer` of `max_len`
   response tokens. format_coef > 0: + format_coef for a response whose final answer can be
-  extracted (a closed \\boxed{...}).
+  extracted in `answer_format` (`math_reward.ANSWER_FORMATS`: a closed \\boxed{...} by default).
   """
   from gppo_jax import math_reward
 
@@ -249,7 +274,10 @@ def shape_rewards(
     out += pen
     metrics["reward/overlong_penalty_mean"] = float(pen.mean())
   if format_coef > 0:
-    fmt = np.array([math_reward.format_reward(t, reward=format_coef) for t in texts], np.float32)
+    mode = math_reward.ANSWER_FORMATS[answer_format]
+    fmt = np.array(
+      [math_reward.format_reward(t, mode, reward=format_coef) for t in texts], np.float32
+    )
     out += fmt
     metrics["reward/format_frac"] = float(np.mean(fmt > 0))
   return out, metrics
@@ -277,4 +305,5 @@ def make_env(config, tokenizer=None) -> Env:
     seed=config.seed,
     batch_size=config.rollout.prompts_per_iter,
     max_new_tokens=config.rollout.max_new_tokens,
+    answer_format=config.reward.get("answer_format", "boxed"),
   )

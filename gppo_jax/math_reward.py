@@ -45,6 +45,9 @@ BAD_GOLD = "bad_gold"  # the gold answer does not parse (should have been reject
 STATUSES = (OK, WRONG, NO_ANSWER, TIMEOUT, MEMORY, ERROR, BAD_GOLD)
 
 EXTRACT_MODES = ("boxed", "answer", "boxed_or_answer")
+# config.reward.answer_format -> extraction mode: the last \boxed{}, DAPO's last `Answer:` line, or
+# the box with the line as a fallback.
+ANSWER_FORMATS = {"boxed": "boxed", "answer_line": "answer", "either": "boxed_or_answer"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,6 +115,7 @@ def generate(
     max_len=sampling.max_new_tokens,
     overlong_buffer=config.reward.overlong_buffer,
     format_coef=config.reward.format_coef,
+    answer_format=config.reward.get("answer_format", "boxed"),
   )
   metrics.update(shaping_metrics)
   metrics["time/sample_s"] = t1 - t0
