@@ -1,7 +1,9 @@
 """Orbax checkpoints behind a few functions, so that an Orbax API move stays in this file.
 
 A checkpoint holds the train state pytree (model parameters, optimizer state, step) plus a JSON
-side-car of host values (data-iterator position, iteration, evaluation history).
+side-car of host values (data-iterator position, iteration, evaluation history), and optionally
+named extra pytrees (`extras`: the lagging behaviour policies of `rollout.staleness`), each its own
+item, so that a reader of the train state alone (evaluation) never needs to know about them.
 
 Orbax writes each step into a temporary folder and renames it when complete, so a process killed
 mid-save leaves a `*.orbax-checkpoint-tmp*` folder that is never read and that the next writer
@@ -60,12 +62,24 @@ def remove_unfinished(directory: str) -> list[str]:
 
 
 def save(
-  manager: ocp.CheckpointManager, step: int, state: Any, meta: dict, *, wait: bool = False
+  manager: ocp.CheckpointManager,
+  step: int,
+  state: Any,
+  meta: dict,
+  *,
+  wait: bool = False,
+  extras: dict[str, Any] | None = None,
 ) -> None:
-  """Saves `state` (a pytree of arrays, sharded or not) and `meta` (JSON-able) at `step`."""
+  """Saves `state` (a pytree of arrays, sharded or not) and `meta` (JSON-able) at `step`, plus
+  each pytree of `extras` as an item of its own name."""
+  items = {name: ocp.args.StandardSave(tree) for name, tree in (extras or {}).items()}
+  if {"state", "meta"} & items.keys():
+    raise ValueError(f"extras may not be named 'state' or 'meta', got {sorted(items)}")
   manager.save(
     step,
-    args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), **items
+    ),
     force=True,
   )
   if wait:
@@ -73,10 +87,15 @@ def save(
 
 
 def restore_latest(
-  manager: ocp.CheckpointManager, abstract_state: Any, *, set_aside: bool = True
+  manager: ocp.CheckpointManager,
+  abstract_state: Any,
+  *,
+  set_aside: bool = True,
+  extras: dict[str, Any] | None = None,
 ) -> tuple[int, Any, dict]:
   """(step, state, meta) of the newest readable checkpoint, or (None, None, None) when there is
-  none.
+  none. With `extras` (name -> abstract pytree, as saved by `save(..., extras=...)`) the returned
+  state is `{"state": state, **restored_extras}`; a step without those items counts as unreadable.
 
   `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with `.sharding` to restore onto a mesh,
   possibly different from the one that saved) describing the expected state. Unreadable newer
@@ -93,7 +112,9 @@ def restore_latest(
       restored = manager.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+          state=ocp.args.StandardRestore(abstract_state),
+          meta=ocp.args.JsonRestore(),
+          **{name: ocp.args.StandardRestore(tree) for name, tree in (extras or {}).items()},
         ),
       )
     except Exception as e:  # Orbax raises many types; the message below says what and where.
@@ -113,14 +134,18 @@ def restore_latest(
         step,
         ", ".join(str(s) for s, _ in failures),
       )
-    return step, restored["state"], dict(restored["meta"])
+    state = restored["state"]
+    if extras:
+      state = {"state": state, **{name: restored[name] for name in extras}}
+    return step, state, dict(restored["meta"])
   if not failures:
     return None, None, None
   step, e = failures[0]
   raise CheckpointError(
     f"no readable checkpoint in {manager.directory} (steps {', '.join(str(s) for s in steps)}); "
     f"step {step}: {type(e).__name__}: {_short(e)}. If the model or optimizer configuration "
-    "changed since they were written, train into a new --workdir"
+    "changed since they were written (or rollout.staleness, whose lagging policies are saved "
+    "with them), train into a new --workdir"
   ) from e
 
 

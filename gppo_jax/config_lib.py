@@ -143,6 +143,10 @@ def base(
   # DAPO's dynamic sampling (with advantage.filter_zero_signal): up to this many extra generation
   # rounds per iteration to fill the batch with groups that carry signal (0 = only mask them).
   c.rollout.refill_rounds = 0
+  # Stale rollouts, as in asynchronous RL: iteration t samples with the policy of iteration t - k
+  # (the initial one while t < k), so even the first update step is off-policy. Keeps k copies of
+  # the parameters (saved in checkpoints). 0 = on-policy sampling. README "Training".
+  c.rollout.staleness = 0
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
   # LossConfig.from_config; config files write a preset's with use_settings).
@@ -454,6 +458,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.choice("rollout.logprobs_mode", ("full", "sampled"))
   k.flag("rollout.recompute_logprobs")
   k.integer("rollout.refill_rounds", 0)
+  k.integer("rollout.staleness", 0)
   # Loss.
   for field in ("loss.delta_low", "loss.delta_high"):
     k.number(field, 0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")

@@ -128,6 +128,9 @@ class Run:
   rows: slice  # this host's rows of the global batch
   newest: int | None = None  # the newest checkpoint on disk
   history: dict = dataclasses.field(default_factory=dict)  # evaluations, kept in checkpoints
+  # rollout.staleness = k > 0: the parameters before each of the last k updates, oldest first;
+  # iteration t samples with the oldest (theta_{t-k}, theta_0 while t < k). Saved in checkpoints.
+  behaviour: list = dataclasses.field(default_factory=list)
 
   def key(self, iteration: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(self.config.seed), iteration)
@@ -152,7 +155,8 @@ class Run:
       "history": self.history,
       "config": self.config.to_json_best_effort(),
     }
-    checkpointing.save(self.mngr, iteration, state, meta, wait=wait)
+    extras = {"behaviour": self.behaviour} if self.behaviour else None
+    checkpointing.save(self.mngr, iteration, state, meta, wait=wait, extras=extras)
     self.newest = iteration
 
 
@@ -207,6 +211,8 @@ def _set_up(
     diagnose=_diagnostics_fn(config, graphdef, spec),
     history={"warm_start": warm_info},
   )
+  if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
+    run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
   return run, state
 
 
@@ -229,11 +235,14 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   Returns the new state and the iteration's metrics (time/* for each phase)."""
   t0 = time.perf_counter()
   key = run.key(iteration)
+  # The behaviour policy: the learner itself, or with rollout.staleness = k the learner k updates
+  # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
+  behaviour = run.behaviour[0] if run.behaviour else state.params
   batch, metrics = rollout.collect(
     run.config,
     run.env,
     run.sample_fn,
-    state.params,
+    behaviour,
     jax.random.fold_in(key, 0),
     run.sampling,
     prompt_len=run.spec.prompt_len,
@@ -245,16 +254,22 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=np.zeros_like(batch.logq))  # the structure compiled for
     on_devices = run.to_devices(batch)
-    if run.config.rollout.recompute_logprobs:
-      batch = batch.replace(logq=sharding.to_host(run.logprobs(state.params, on_devices)))
+    if run.config.rollout.recompute_logprobs:  # the behaviour's, by the trainer's forward pass
+      batch = batch.replace(logq=sharding.to_host(run.logprobs(behaviour, on_devices)))
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=sharding.to_host(run.logprobs(run.ref_params, on_devices)))
   t2 = time.perf_counter()
   on_devices = run.to_devices(batch)
   every = run.config.diagnostics.every
   diagnose = run.diagnose is not None and (iteration + 1) % every == 0
-  behaviour = jax.tree.map(jnp.copy, state.params) if diagnose else None  # the update donates
+  # The update donates the state's buffers: keep what outlives it (the pre-update parameters are
+  # the behaviour of iteration t + k; the diagnostics compare against this iteration's behaviour).
+  before = jax.tree.map(jnp.copy, state.params) if run.behaviour else None
+  if diagnose and not run.behaviour:
+    behaviour = jax.tree.map(jnp.copy, state.params)
   state, upd = run.update(state, on_devices, jax.random.fold_in(key, 1))
+  if run.behaviour:
+    run.behaviour = run.behaviour[1:] + [before]
   metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))
   t3 = time.perf_counter()
   check_finite(state, metrics, batch.adv, iteration=iteration + 1, newest=run.newest)
@@ -264,6 +279,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     metrics["time/diagnostics_s"] = time.perf_counter() - t3
   metrics.update(
     {
+      "rollout/behaviour_lag": float(min(run.config.rollout.staleness, iteration)),
       "optim/steps": float(state.step),
       "time/rollout_s": t1 - t0,
       "time/logprobs_s": t2 - t1,
@@ -280,11 +296,15 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)
-  restored_step, restored, meta = checkpointing.restore_latest(
-    run.mngr, sharding.abstract_like(state, run.state_sh)
-  )
+  abstract = sharding.abstract_like(state, run.state_sh)
+  extras = None
+  if run.behaviour:
+    extras = {"behaviour": [abstract.params] * len(run.behaviour)}
+  restored_step, restored, meta = checkpointing.restore_latest(run.mngr, abstract, extras=extras)
   start = 0
   if restored is not None:
+    if extras:
+      restored, run.behaviour = restored["state"], list(restored["behaviour"])
     state, start, run.newest = restored, int(meta["iteration"]), restored_step
     run.env.restore(meta["env"])
     run.history = meta.get("history", run.history)

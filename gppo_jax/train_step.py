@@ -356,7 +356,9 @@ def make_update_fn(
 
 def summarize_update_metrics(metrics: dict[str, np.ndarray]) -> dict[str, float]:
   """Host-side summary: the mean over all optimizer steps of an update, plus the last half's
-  masked fractions (the trust region acts on the later, off-policy mini-batches)."""
+  masked fractions (the trust region acts on the later, off-policy mini-batches) and the first
+  step's masked fraction and divergence estimate (`*_first`: 0 for on-policy rollouts, up to
+  float noise; not with rollout.staleness)."""
   out = {}
   for k, v in metrics.items():
     v = np.asarray(v)
@@ -367,6 +369,9 @@ def summarize_update_metrics(metrics: dict[str, np.ndarray]) -> dict[str, float]
     if k in metrics:
       v = np.asarray(metrics[k])
       out[k + "_late"] = float(np.mean(v[len(v) // 2 :]))
+  for k in ("trust/masked_frac", "div/estimate_mean"):  # the first step: on-policy unless stale
+    if k in metrics:
+      out[k + "_first"] = float(np.asarray(metrics[k]).reshape(-1)[0])
   return out
 
 
