@@ -235,9 +235,15 @@ def plan(
   params = per_device_bytes(state.params, sh.params)
   optimizer = per_device_bytes(state.opt_state, sh.opt_state)
   batch_bytes = per_device_bytes(batch, sharding.batch_shardings(batch, mesh))
+  copies = 1 + (config.loss.kl_coef > 0) + config.rollout.get("staleness", 0)
   if config.loss.kl_coef > 0:
     notes.append("kl_coef > 0: a frozen reference copy of the parameters is counted in params")
-    params *= 2
+  if config.rollout.get("staleness", 0):
+    notes.append(
+      f"rollout.staleness={config.rollout.staleness}: the lagging parameter copies are counted "
+      "in params"
+    )
+  params *= copies
   resident = params + optimizer
   kv = kv_cache_bytes(cfg, mesh, n, p + r)
   dp = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -92,3 +92,15 @@ def test_staleness_is_validated():
   c.rollout.staleness = -1
   with pytest.raises(errors.ConfigError, match="rollout.staleness"):
     config_lib.validate(c)
+
+
+def test_plan_counts_the_lagging_copies():
+  from gppo_jax import plan
+
+  c = stale_config(3)
+  c.rollout.staleness = 0
+  on_policy = plan.plan(c, compile=False, backend="cpu")
+  c.rollout.staleness = LAG
+  stale = plan.plan(c, compile=False, backend="cpu")
+  assert stale.params == (1 + LAG) * on_policy.params > 0
+  assert any("rollout.staleness" in note for note in stale.notes)
