@@ -5,11 +5,13 @@ into ours through hf_checkpoint when possible) and the same left-padded batch, f
 threads each. Repeats are interleaved (this machine's speed drifts by 20-30%), compile time is
 excluded from throughput and reported separately; medians are compared. Ends with one JSON line.
 
-Methods: `ours` (the sampler as shipped: bucketed decode, one prefill per group of `--group`
-identical prompts), `ours_1bucket` (the same on one cache of prompt + new tokens, as before the
-buckets; only when --new exceeds the first bucket), `hf` (generate on the same rows; it prefills
-every row, as it does with num_return_sequences) and `nocache` (full recompute every step).
-Compile time is timed alone (ahead-of-time lower + compile); a first call would also decode.
+Methods: `ours` (the sampler as shipped: one prefill per group of `--group` identical prompts, a
+decode step that reads the filled cache blocks only, layers unrolled on CPU), `ours_1block` (the
+same attending over the whole cache of prompt + new tokens at every step; only when that exceeds
+one block), `ours_scan` (with --scan 1: the layers as a scan over the stacked weights), `hf`
+(generate on the same rows; it prefills every row, as it does with num_return_sequences) and
+`nocache` (full recompute every step). Compile time is timed alone (ahead-of-time lower +
+compile); a first call would also decode. --compile-only 1 prints only `ours`' compile time.
 
 Model: vocab 32k, hidden 512, 4 layers, 8 query / 2 KV heads (GQA, Qwen2 q/k/v bias), MLP 1408
 (~44M parameters, two thirds in the embedding and LM head). Small enough to decode a batch in
@@ -19,6 +21,7 @@ overhead dominates, and its vocab-heavy cost split resembles small RL policies (
   python benchmarks/sampler.py [--batch 8 --prompt 32 --new 64 --repeats 3 --group 1]
   python benchmarks/sampler.py --batch 64 --group 8 --nocache 0    # RL layout: 8 prompts x 8
   python benchmarks/sampler.py --new 1024 --nocache 0 --repeats 2
+  python benchmarks/sampler.py --new 4096 --compile-only 1        # compile time alone
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--nocache", type=int, default=1, help="also time the no-cache decode (0/1)")
   ap.add_argument("--group", type=int, default=1, help="rows per prompt (G samples of a prompt)")
+  ap.add_argument("--scan", type=int, default=0, help="also time the layer scan decode (0/1)")
+  ap.add_argument("--compile-only", type=int, default=0, help="only time ours' compile (0/1)")
   args = ap.parse_args()
   torch.set_num_threads(2)
   B, P, N, G = args.batch, args.prompt, args.new, args.group
@@ -141,15 +146,11 @@ def main():
 
   compile_s = {}
 
-  def compiled_sampler(name, first_bucket):
+  def compiled_sampler(name, **kw):
     """Traces and compiles `sampler.sample` ahead of time (timed alone), returns run(r)."""
     t = time.perf_counter()
-    fn = jax.jit(
-      sampler.sample, static_argnums=(0, 5), static_argnames=("group_size", "first_bucket")
-    )
-    exe = fn.lower(
-      graphdef, params, jt, jm, jax.random.key(0), sp, group_size=G, first_bucket=first_bucket
-    ).compile()
+    fn = jax.jit(sampler.sample, static_argnums=(0, 5), static_argnames=("group_size", *kw))
+    exe = fn.lower(graphdef, params, jt, jm, jax.random.key(0), sp, group_size=G, **kw).compile()
     compile_s[name] = time.perf_counter() - t
     return lambda r: exe(params, jt, jm, jax.random.key(r)).tokens
 
@@ -166,9 +167,15 @@ def main():
       )  # fmt: skip
     return out[:, P:]
 
-  methods = {"ours": compiled_sampler("ours", sampler.FIRST_BUCKET), "hf": run_hf}
-  if N > sampler.FIRST_BUCKET:
-    methods["ours_1bucket"] = compiled_sampler("ours_1bucket", N)
+  methods = {"ours": compiled_sampler("ours"), "hf": run_hf}
+  if args.compile_only:
+    print(json.dumps(dict(benchmark="sampler_compile", batch=B, group=G, prompt=P, new_tokens=N,
+                          compile_s=round(compile_s["ours"], 2))))  # fmt: skip
+    return
+  if P + N - 1 > sampler.DECODE_BLOCK:
+    methods["ours_1block"] = compiled_sampler("ours_1block", decode_block=P + N - 1)
+  if args.scan:
+    methods["ours_scan"] = compiled_sampler("ours_scan", unroll_layers=False)
   if args.nocache:
     methods["nocache"] = run_nocache
   first_call = {}
@@ -201,7 +208,7 @@ def main():
   print(f"model: Qwen2-shape {n_params / 1e6:.1f}M params, weights copied from HF: {copied}")
   print(
     f"batch {B} ({B // G} prompts x {G}), prompt {P} (left-padded), {N} new tokens, float32, "
-    f"2 threads; decode buckets {sampler.decode_buckets(N)}"
+    f"2 threads; decode blocks of {sampler.DECODE_BLOCK} cache slots"
   )
   if agree is not None:
     print(f"greedy agreement ours vs HF (16 tokens): {agree:.3f}")
@@ -210,15 +217,16 @@ def main():
     print(f"  {k:8s} {tps[k]:9.1f} new tok/s  (median of {len(v)}: {spread})")
   print("compile (excluded): " + ", ".join(f"{k} {v:.1f}s" for k, v in compile_s.items()))
   ratios = {"ours_vs_hf": tps["ours"] / tps["hf"], "ours_vs_hf_best": best["ours"] / best["hf"]}
-  if "ours_1bucket" in tps:
-    ratios["ours_vs_1bucket"] = tps["ours"] / tps["ours_1bucket"]
+  for other in ("ours_1block", "ours_scan"):
+    if other in tps:
+      ratios[f"ours_vs_{other[5:]}"] = tps["ours"] / tps[other]
   if args.nocache:
     ratios["ours_vs_nocache"] = tps["ours"] / tps["nocache"]
     ratios["ours_vs_nocache_best"] = best["ours"] / best["nocache"]
   print("  ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()), "(medians; _best: fastest runs)")
   result = dict(
     benchmark="sampler", batch=B, group=G, prompt=P, new_tokens=N,
-    params_m=round(n_params / 1e6, 1), buckets=list(sampler.decode_buckets(N)),
+    params_m=round(n_params / 1e6, 1), decode_block=sampler.DECODE_BLOCK,
     weights_copied=copied, greedy_agreement=agree,
     tokens_per_s={k: round(v, 1) for k, v in tps.items()},
     tokens_per_s_best={k: round(v, 1) for k, v in best.items()},

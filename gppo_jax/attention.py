@@ -20,7 +20,8 @@ padding for prompts, right padding after a response) unless an implementation sa
 `attention(q, k, v, mask, impl)` picks one; "auto" is cudnn on GPU for half precision, splash on
 TPU, and on CPU dense up to `DENSE_MAX_LEN` tokens (faster when the scores are small) and
 blockwise above. `cached_attention` is the blockwise forward for queries written into a KV cache
-at a traced offset (the sampler's prefill): it visits only the cache blocks up to the last query.
+at a traced offset (the sampler's prefill and decode step): it reads only the cache blocks up to
+the last query, so one compiled step serves every cache length.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelCo
 # CPU: dense attention up to this many tokens, blockwise beyond (benchmarks/attention_memory.py).
 DENSE_MAX_LEN = 1024
 BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
+# Key block of the single-token decode step over a KV cache (`cached_attention` with T = 1).
+DECODE_BLOCK = 256
 SPLASH_BLOCK = 512
 _NEG_INF = -jnp.inf
 
@@ -265,27 +268,40 @@ def cached_attention(
   offset: jax.Array | int,
   *,
   block_size: int = BLOCK_SIZE,
+  layer: jax.Array | int | None = None,
 ) -> jax.Array:
   """Forward-only blockwise attention of T queries written at cache slots [offset, offset + T).
 
-  q [B,T,H,Dh]; k/v [B,S,K,Dh] the whole cache (new keys already written); mask bool [B,S] (real
+  q [B,T,H,Dh]; k/v [B,S,K,Dh] the whole cache (new keys already written), or with `layer` the
+  stacked cache of every layer [L,B,S,K,Dh] and the index of this one; mask bool [B,S] (real
   slots); offset int32 scalar, may be traced. Query i attends to the real slots j <= offset + i
-  and to its own slot (the KV-cache rule of `model.Transformer`). Only the key tiles that hold a
-  slot <= offset + T - 1 are visited (a traced loop bound, hence not reverse-differentiable).
-  Memory: one [B, H, tile, tile] float32 block at a time.
+  and to its own slot (the KV-cache rule of `model.Transformer`). Only the key blocks of
+  `block_size` slots that hold a slot <= offset + T - 1 are read, each sliced from the cache where
+  it lies (no copy of the whole cache or layer): a traced trip count, so one compiled call serves
+  every offset and costs what the filled length costs (hence not reverse-differentiable). The
+  prefill (T > 1) and the decode step (T = 1, `DECODE_BLOCK`) both attend this way.
+  Memory: one [B, H, tile, block] float32 block at a time.
   """
   B, T, H, Dh = q.shape
-  S, K = k.shape[1], k.shape[2]
+  S, K = k.shape[-3], k.shape[-2]
   G = H // K
   offset = jnp.asarray(offset, jnp.int32)
   tq, nq = _tile(T, block_size)
   tk = min(block_size, S)
   nk = -(-S // tk)
+  scale = Dh**-0.5
+
+  def slot_block(x, start):  # [B,tk,K,Dh]: slots [start, start + tk) of this layer, as stored
+    if layer is None:
+      return jax.lax.dynamic_slice_in_dim(x, start, tk, axis=1)
+    return jax.lax.dynamic_slice(x, (layer, 0, start, 0, 0), (1, B, tk, K, Dh))[0]
+
+  if T == 1:
+    return _decode_query(q.reshape(B, K, G, Dh), k, v, mask, offset, tk, nk, scale, slot_block)
   if nq * tq > T:
     q = jnp.pad(q, ((0, 0), (0, nq * tq - T), (0, 0), (0, 0)))
   qh = q.reshape(B, nq * tq, K, G, Dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,Tq,Dh]
-  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,S,Dh]
-  scale = Dh**-0.5
+  key_block = lambda x, start: slot_block(x, start).transpose(0, 2, 1, 3)  # [B,K,tk,Dh]
 
   def q_tile(i):
     qi = jax.lax.dynamic_slice_in_dim(qh, i * tq, tq, axis=3)
@@ -297,8 +313,7 @@ def cached_attention(
       # seen are masked out, so no padding of the cache is needed.
       start = jnp.minimum(j * tk, S - tk)
       kpos = start + jnp.arange(tk)
-      kj = jax.lax.dynamic_slice_in_dim(kh, start, tk, axis=2)
-      vj = jax.lax.dynamic_slice_in_dim(vh, start, tk, axis=2)
+      kj, vj = key_block(k, start), key_block(v, start)
       kreal = jax.lax.dynamic_slice_in_dim(mask, start, tk, axis=1) & (kpos >= j * tk)[None]
       allowed = (kpos[None, None, :] <= qpos[None, :, None]) & kreal[:, None, :]
       allowed = allowed | (kpos[None, None, :] == qpos[None, :, None])
@@ -313,9 +328,51 @@ def cached_attention(
     _, l, acc = jax.lax.fori_loop(0, jnp.minimum(last // tk + 1, nk), k_tile, init)
     return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype)
 
-  out = jax.lax.map(q_tile, jnp.arange(nq))  # [nq, B, K, G, tq, Dh]
+  if nq == 1:
+    out = q_tile(0)[None]
+  else:
+    out = jax.lax.map(q_tile, jnp.arange(nq))  # [nq, B, K, G, tq, Dh]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * tq, H, Dh)
   return out[:, :T]
+
+
+def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
+  """`cached_attention` of one query per row, q [B,K,G,Dh] at cache slot `offset` -> [B,1,H,Dh].
+
+  Products and sums instead of dots: the step is G-row matrix-vector products, bound by reading
+  the cache, not by arithmetic, and XLA (CPU) would first copy each key and value block into the
+  dot's operand layout (a transpose), while a multiply-reduce takes the block as stored: about
+  10-20% off a step of benchmarks/sampler.py's model at 1k cache slots (medians, batch 8 and 64).
+  """
+  B, K, G, Dh = q.shape
+  qf = q.astype(jnp.float32)
+
+  def k_tile(j, c):
+    m, l, acc = c  # [B,K,G], [B,K,G], [B,K,G,Dh]
+    start = jnp.minimum(j * tk, S - tk)
+    kpos = start + jnp.arange(tk)
+    kreal = jax.lax.dynamic_slice_in_dim(mask, start, tk, axis=1) & (kpos >= j * tk)[None]
+    allowed = ((kpos <= offset)[None] & kreal) | (kpos == offset)[None]  # [B, tk]
+    kj = slot_block(k, start).astype(jnp.float32)  # [B,tk,K,Dh]
+    s = jnp.sum(kj[:, :, :, None, :] * qf[:, None], axis=-1) * scale  # [B,tk,K,G]
+    s = jnp.where(allowed[:, :, None, None], s, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m - m_safe)
+    vj = slot_block(v, start).astype(jnp.float32)
+    pv = jnp.sum(p[..., None] * vj[:, :, :, None, :], axis=1)  # [B,K,G,Dh]
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[..., None] * acc + pv
+
+  S = mask.shape[1]
+  init = (
+    jnp.full((B, K, G), _NEG_INF, jnp.float32),
+    jnp.zeros((B, K, G), jnp.float32),
+    jnp.zeros((B, K, G, Dh), jnp.float32),
+  )
+  _, l, acc = jax.lax.fori_loop(0, jnp.minimum(offset // tk + 1, nk), k_tile, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]
+  return out.reshape(B, 1, K * G, Dh).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import flax
 import jax
@@ -183,6 +184,8 @@ class Transformer(nnx.Module):
     attn_mask: jax.Array | None = None,
     cache: KVCache | None = None,
     cache_index: jax.Array | int | None = None,
+    cache_block: int | None = None,
+    layer_weights: Sequence[dict[str, jax.Array]] | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
 
@@ -191,9 +194,14 @@ class Transformer(nnx.Module):
     cfg.attention (`attention.py`: dense, blockwise, cudnn, splash or auto).
     With cache and scalar cache_index: writes the new K/V into slots [cache_index,
     cache_index + T), marks them with attn_mask, and token i attends to every real slot
-    j <= cache_index + i and to its own slot. Several tokens at once (a prefill) attend
-    blockwise over the filled cache blocks only (dense when cfg.attention resolves to dense
-    for the cache length); a single token attends densely over the whole cache.
+    j <= cache_index + i and to its own slot, reading only the cache blocks up to the last query
+    (`attention.cached_attention`, a traced trip count: one compiled step serves every
+    cache_index). Blocks of `cache_block` slots; by default a single token (the decode step)
+    uses `attention.DECODE_BLOCK` and several tokens (a prefill) `attention.BLOCK_SIZE`, or
+    attend densely over the whole cache when cfg.attention resolves to dense for its length.
+    layer_weights (cache calls only): each layer's weights as its own arrays (`unstack_layers`,
+    computed once outside a decode loop); the layers then run unrolled on them instead of a scan
+    that slices the stacked weights at every call (on CPU each slice is a copy of the layer).
     Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
     """
     cfg = self.cfg
@@ -236,11 +244,14 @@ class Transformer(nnx.Module):
       mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask, (0, idx))
       query_slot = idx + jnp.arange(T)[:, None]
       slots = jnp.arange(S)[None, :]
-      # Several new tokens (a prefill): blockwise over the filled cache blocks unless the
-      # attention resolves to dense for this cache length; one token: dense over the cache.
-      blockwise = T > 1 and "dense" != attention_lib.resolve(
+      # Blockwise over the filled cache blocks, read in place; a prefill attends densely over
+      # the whole cache when the attention resolves to dense for this cache length.
+      blockwise = cache_block is not None or T == 1
+      blockwise = blockwise or "dense" != attention_lib.resolve(
         cfg.attention, seq_len=S, dtype=cfg.compute_dtype, head_dim=cfg.head_dim
       )
+      if cache_block is None:
+        cache_block = attention_lib.DECODE_BLOCK if T == 1 else attention_lib.BLOCK_SIZE
       if not blockwise:
         allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
       zero = jnp.zeros((), jnp.int32)
@@ -254,16 +265,24 @@ class Transformer(nnx.Module):
           at = (l, zero, idx, zero, zero)
           ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
           cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+          if blockwise:
+            return attention_lib.cached_attention(
+              q, ck, cv, mask, idx, block_size=cache_block, layer=l
+            )
           keys = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
           values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
-          if blockwise:
-            return attention_lib.cached_attention(q, keys, values, mask, idx)
           return attention_lib.dense(q, keys, values, allowed)
 
         x = _layer(cfg, p, x, positions, inv_freq, attend)
         return (x, ck, cv), None
 
-      (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
+      if layer_weights is None:
+        (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
+      else:
+        carry = (x, cache.k, cache.v)
+        for l, p in enumerate(layer_weights):
+          carry, _ = step(carry, (p, l))
+        x, ck, cv = carry
       new_cache = KVCache(k=ck, v=cv, mask=mask)
 
     return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
@@ -278,6 +297,13 @@ class Transformer(nnx.Module):
     """float32 [..., vocab] logits of hidden states (tied or untied head)."""
     w, tied = self.unembedding()
     return _project(hidden, w, tied)
+
+
+def unstack_layers(model: Transformer) -> list[dict[str, jax.Array]]:
+  """Each decoder layer's weights as separate arrays (a copy of the layer weights), for the
+  `layer_weights` of cache calls made many times (the sampler's decode step)."""
+  stacked = model.layers.arrays()
+  return [{k: a[l] for k, a in stacked.items()} for l in range(model.cfg.num_layers)]
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -1,4 +1,4 @@
-"""KV-cached autoregressive sampler: one prefill per prompt, a bucketed `lax.while_loop` decode.
+"""KV-cached autoregressive sampler: one prefill per prompt, then one `lax.while_loop` decode.
 
 Every way of drawing responses lives here:
 
@@ -24,12 +24,11 @@ log-probs (and top-K) are under softmax(logits), i.e. T = 1.
 What a call costs. The prompt is run once per group of identical consecutive rows (`group_size`:
 the trainer's G samples of a prompt) and its KV cache and first-token logits are broadcast to the
 group's rows; the rows still draw different tokens (each row has its own uniform per step). The
-decode does not run on a cache of prompt + max_new_tokens slots from the start: a single-token
-step attends over every slot it is given, filled or not, so it runs on buckets of prompt +
-`first_bucket` * 2^i slots (`decode_buckets`), one `lax.while_loop` per bucket, the cache padded
-to the next bucket when one fills. A step then costs about what the filled length costs (within a
-factor 2), at one compiled loop body per bucket (log2(max_new_tokens / first_bucket) + 1 of them,
-all in the one program). Every loop stops as soon as every row has met a stop token.
+decode is one `lax.while_loop` over a cache of prompt + max_new_tokens - 1 slots, whose step
+attends over the filled cache blocks only (`decode_block` slots each, an online softmax with a
+traced trip count: `attention.cached_attention`): a step costs what the filled length costs
+(rounded up to a block), and one compiled step serves every length, so compile time does not
+grow with max_new_tokens. The loop stops as soon as every row has met a stop token.
 
 Padding follows the project convention: prompts are left-padded (mask False on pads), positions are
 max(cumsum(mask) - 1, 0), and the response is right-padded with `pad_id` after the stop token.
@@ -50,12 +49,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from gppo_jax import attention as attention_lib
 from gppo_jax import model as model_lib
 from gppo_jax import partitioning, sharding
 
 LOGPROBS_MODES = ("tempered", "truncated")
-# Response slots of the first decode bucket; each further bucket doubles it (see `decode_buckets`).
-FIRST_BUCKET = 128
+# Cache slots per key block of the decode step's attention (blocks past the filled length skipped).
+DECODE_BLOCK = attention_lib.DECODE_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,20 +167,6 @@ def left_pad(
     tokens[i, length - len(p) :] = np.asarray(p, np.int32)
     mask[i, length - len(p) :] = True
   return tokens, mask
-
-
-def decode_buckets(max_new_tokens: int, first: int = FIRST_BUCKET) -> tuple[int, ...]:
-  """Response capacities of the decode's cache buckets: first, 2 first, 4 first, ... then
-  max_new_tokens (the last). The bucket of capacity c holds prompt + c - 1 slots and draws the
-  response tokens up to index c - 1 (the last token drawn is never fed back, so needs no slot)."""
-  if first < 1:
-    raise ValueError(f"first bucket must be >= 1, got {first}")
-  sizes = []
-  c = first
-  while c < max_new_tokens:
-    sizes.append(c)
-    c *= 2
-  return (*sizes, max_new_tokens)
 
 
 def detect_group_size(prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> int:
@@ -368,18 +354,23 @@ def sample(
   sampling: SamplingParams,
   *,
   group_size: int = 1,
-  first_bucket: int = FIRST_BUCKET,
+  decode_block: int = DECODE_BLOCK,
+  unroll_layers: bool | None = None,
 ) -> SampleOutput:
-  """Pure functional sampler: jit it with `graphdef`, `sampling`, `group_size` and `first_bucket`
-  static, or call it inside jit.
+  """Pure functional sampler: jit it with `graphdef`, `sampling` and the keywords static, or call
+  it inside jit.
 
   prompt_tokens int32 [B, P] and prompt_mask bool [B, P] are left-padded; every row needs at least
   one real token. Token s is drawn with key fold_in(rng, s): equal rngs give equal output, and the
-  output does not depend on `group_size` or `first_bucket` (up to float rounding).
+  output does not depend on `group_size` or `decode_block` (up to float rounding).
   group_size: G when rows come in B / G runs of G identical prompts (`detect_group_size`): each
   prompt's prefill runs once. Rows that differ within a run would get the run's first prompt.
-  first_bucket: response slots of the first decode bucket (`decode_buckets`); >= max_new_tokens
-  decodes on one cache of P + max_new_tokens - 1 slots.
+  decode_block: cache slots per key block of the decode step's attention, which reads the blocks
+  up to the filled length only; >= P + max_new_tokens - 1 attends over the whole cache at once.
+  unroll_layers: the decode step runs its layers unrolled on a copy of each layer's weights made
+  once per call, not as a scan over the stacked weights (whose per-layer slice is a copy at every
+  step on CPU: up to a third of a small model's step). Costs that copy's memory while sampling
+  and a decode body per layer in the compile; None = on CPU only.
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
@@ -389,16 +380,20 @@ def sample(
   if group_size < 1 or batch % group_size:
     raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({batch} rows)")
   n = sampling.max_new_tokens
-  buckets = decode_buckets(n, first_bucket)
+  if decode_block < 1:
+    raise ValueError(f"decode_block must be >= 1, got {decode_block}")
   prompt_tokens = prompt_tokens.astype(jnp.int32)
   prompt_mask = prompt_mask.astype(bool)
   positions = model_lib.positions_from_mask(prompt_mask)
 
   cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
+  if unroll_layers is None:
+    unroll_layers = jax.default_backend() == "cpu"
+  layer_weights = model_lib.unstack_layers(model) if unroll_layers else None
   k = sampling.num_topk
   state = SamplerState(
     step=jnp.int32(0),
-    cache=_grow(cache, prompt_len + buckets[0] - 1),
+    cache=_grow(cache, prompt_len + n - 1),  # the last token drawn is never fed back
     last_token=jnp.zeros((batch,), jnp.int32),
     position=positions[:, -1],
     done=jnp.zeros((batch,), bool),
@@ -419,31 +414,23 @@ def sample(
       attn_mask=~s.done[:, None],
       cache=s.cache,
       cache_index=prompt_len + s.step - 1,
+      cache_block=decode_block,
+      layer_weights=layer_weights,
     )
     logits = model.logits(hidden[:, 0]).astype(jnp.float32)
     drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
     return _record(s.replace(cache=new_cache), *drawn, sampling)
 
-  def finish(s: SamplerState) -> SampleOutput:
-    return SampleOutput(
-      tokens=s.tokens,
-      logprobs=s.logprobs,
-      mask=s.mask,
-      lengths=s.mask.sum(axis=-1).astype(jnp.int32),
-      topk_logprobs=s.topk_logprobs,
-      topk_ids=s.topk_ids,
-      kept_ids=s.kept_ids,
-    )
-
-  def decode(i: int, s: SamplerState) -> SampleOutput:
-    # Bucket i: steps up to buckets[i] - 1 write cache slots up to P + buckets[i] - 2, its last.
-    s = jax.lax.while_loop(lambda s: (s.step < buckets[i]) & ~jnp.all(s.done), body, s)
-    if i + 1 == len(buckets):
-      return finish(s)
-    grow = lambda s: decode(i + 1, s.replace(cache=_grow(s.cache, prompt_len + buckets[i + 1] - 1)))
-    return jax.lax.cond(jnp.all(s.done), finish, grow, s)  # every row stopped: no more buckets
-
-  return decode(0, state)
+  s = jax.lax.while_loop(lambda s: (s.step < n) & ~jnp.all(s.done), body, state)
+  return SampleOutput(
+    tokens=s.tokens,
+    logprobs=s.logprobs,
+    mask=s.mask,
+    lengths=s.mask.sum(axis=-1).astype(jnp.int32),
+    topk_logprobs=s.topk_logprobs,
+    topk_ids=s.topk_ids,
+    kept_ids=s.kept_ids,
+  )
 
 
 def sample_jit(
@@ -455,20 +442,20 @@ def sample_jit(
   sampling: SamplingParams,
   *,
   group_size: int = 1,
-  first_bucket: int = FIRST_BUCKET,
+  decode_block: int = DECODE_BLOCK,
 ) -> SampleOutput:
   """`sample` compiled for the default device: one compile per (graphdef, sampling, group_size,
-  first_bucket, shapes), however the keywords are spelled."""
+  decode_block, shapes), however the keywords are spelled."""
   return _sample_jit(
-    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, first_bucket
+    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, decode_block
   )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
-def _sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, bucket):
+def _sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, block):
   return sample(
     graphdef, params, prompt_tokens, prompt_mask, rng, sampling,
-    group_size=group_size, first_bucket=bucket,
+    group_size=group_size, decode_block=block,
   )  # fmt: skip
 
 

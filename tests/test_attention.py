@@ -128,6 +128,30 @@ def test_cached_attention_equals_dense_cache_rule():
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_cached_attention_single_query_on_stacked_cache_equals_dense():
+  """The decode step: one query at every traced offset of a stacked [L, B, S, K, Dh] cache (the
+  layer picked by a traced index), blocks of 1, 4 (the last one clamped: S = 18) and all S slots,
+  equals dense attention over the whole cache of that layer."""
+  rng = np.random.default_rng(3)
+  L, B, S, H, K, Dh = 3, 2, 18, 4, 2, 8
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  ck, cv, q = draw(L, B, S, K, Dh), draw(L, B, S, K, Dh), draw(B, 1, H, Dh)
+  # Row 0 left-padded by 3 slots; row 1 has a hole at slot 6 (a stopped row's step).
+  cmask = jnp.ones((B, S), bool).at[0, :3].set(False).at[1, 6].set(False)
+  run = jax.jit(
+    lambda o, l, block: attn.cached_attention(q, ck, cv, cmask, o, block_size=block, layer=l),
+    static_argnums=2,
+  )
+  slots = jnp.arange(S)[None]
+  for off in (0, 3, 7, 12, S - 1):
+    allowed = ((slots <= off) & cmask | (slots == off))[:, None]  # [B, 1, S]
+    for layer in (0, 2):
+      want = attn.dense(q, ck[layer], cv[layer], allowed)
+      for block in (1, 4, S):
+        got = run(jnp.int32(off), jnp.int32(layer), block)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"{off} {block}")
+
+
 def test_resolve_picks_by_backend_and_rejects_unknown_names():
   r = functools.partial(attn.resolve, seq_len=4096, dtype=jnp.bfloat16, head_dim=128)
   assert r("auto", backend="tpu") == "splash"

@@ -4,6 +4,8 @@ All tests share one model, one prompt batch and one max_new_tokens, so each dist
 compiles once (module-scoped fixtures cache the outputs).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,7 +286,7 @@ def test_sampler_compiles_once_for_new_params_prompts_and_keys(model, monkeypatc
   assert traces == [sampling], f"{len(traces)} traces: {traces}"
 
 
-# --- Bucketed decode, shared prefill, early stop, the mesh path -----------------------------------
+# --- Blockwise decode, shared prefill, early stop, the mesh path ---------------------------------
 
 GROUPED = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17], [40, 41]]  # 4 x G = 4
 G = 4
@@ -305,16 +307,6 @@ def _assert_same(a, b, atol=1e-6):
     np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=atol, rtol=0)
 
 
-def test_decode_buckets():
-  assert sampler.decode_buckets(12, 2) == (2, 4, 8, 12)
-  assert sampler.decode_buckets(1024, 128) == (128, 256, 512, 1024)
-  assert sampler.decode_buckets(1000, 128) == (128, 256, 512, 1000)
-  assert sampler.decode_buckets(64, 128) == (64,) and sampler.decode_buckets(128, 128) == (128,)
-  assert sampler.decode_buckets(1, 1) == (1,)
-  with pytest.raises(ValueError, match="first bucket"):
-    sampler.decode_buckets(8, 0)
-
-
 def test_detect_group_size():
   rows = [p for p in GROUPED for _ in range(G)]
   assert sampler.detect_group_size(*sampler.left_pad(rows, length=8)) == G
@@ -328,26 +320,29 @@ def test_detect_group_size():
 
 
 @pytest.mark.parametrize("name", ["greedy", "tempered", "truncated"])
-def test_bucketed_decode_equals_one_bucket(model, prompts, outputs, name):
-  """Decoding on caches of P + 1, 3, 7, 11 slots (padded as they fill) draws the same tokens,
-  log-probs and top-K under the same key as one cache of P + N - 1 slots (N < FIRST_BUCKET)."""
+def test_blockwise_decode_equals_whole_cache_attention(model, prompts, outputs, name):
+  """Decode steps that attend over the filled cache blocks only (blocks of 2 or 5 of the P + N - 1
+  = 19 slots: a traced number of blocks, the last one clamped to overlap its neighbour) draw the
+  same tokens, log-probs and top-K under the same key as attention over the whole cache at once
+  (one block: `generate`'s default block holds all 19 slots)."""
   kw = {"greedy": dict(greedy=True), "tempered": dict(temperature=TEMPERATURE, num_topk=4)}
   kw = kw.get(name, TRUNCATED)
-  one = outputs(name, **kw)  # through `generate`: one bucket
+  one = outputs(name, **kw)  # through `generate`: one block
+  assert sampler.DECODE_BLOCK >= prompts[0].shape[1] + N - 1
   sampling = sampler.SamplingParams(max_new_tokens=N, stop_ids=(), pad_id=0, **kw)
-  assert sampler.decode_buckets(N, 2) == (2, 4, 8, 12)
-  _assert_same(one, _sample(model, *prompts, sampling, first_bucket=2))
+  for block in (2, 5):
+    _assert_same(one, _sample(model, *prompts, sampling, decode_block=block))
   assert one.mask.all()
 
 
 def test_shared_prefill_equals_per_row_prefill(model):
-  """Each prompt's prefill runs once for its G rows (and the decode is bucketed): the same output
-  as one prefill per row and one bucket, and the G samples of a prompt still differ (every row
-  draws its own uniforms)."""
+  """Each prompt's prefill runs once for its G rows (and the decode reads blocks of 4 slots): the
+  same output as one prefill per row and one block, and the G samples of a prompt still differ
+  (every row draws its own uniforms)."""
   tokens, mask = sampler.left_pad([p for p in GROUPED for _ in range(G)], length=8)
   sampling = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, num_topk=2, pad_id=0)
-  shared = _sample(model, tokens, mask, sampling, group_size=G, first_bucket=4)
-  per_row = _sample(model, tokens, mask, sampling, group_size=1, first_bucket=N)
+  shared = _sample(model, tokens, mask, sampling, group_size=G, decode_block=4)
+  per_row = _sample(model, tokens, mask, sampling, group_size=1)
   _assert_same(shared, per_row, atol=2e-6)
   for g in range(len(GROUPED)):
     rows = shared.tokens[g * G : (g + 1) * G]
@@ -357,8 +352,8 @@ def test_shared_prefill_equals_per_row_prefill(model):
 
 
 def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkeypatch):
-  """The loops (over every bucket) stop at the step where the last row meets a stop token: the
-  number of tokens drawn is the longest response, not max_new_tokens."""
+  """The decode loop stops at the step where the last row meets a stop token: the number of
+  tokens drawn is the longest response, not max_new_tokens."""
   greedy = _greedy(outputs)
   draws = []
   real = sampler._sample_token
@@ -370,17 +365,35 @@ def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkey
   monkeypatch.setattr(sampler, "_sample_token", counted)
   stop = tuple(sorted({int(t) for t in greedy.tokens[:, 4]}))  # each row stops by step 4
   sampling = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=stop, pad_id=11)
-  out = _sample(model, *prompts, sampling, first_bucket=2)
+  out = _sample(model, *prompts, sampling, decode_block=2)
   longest = int(out.lengths.max())
   assert longest <= 5 < N and (out.lengths < N).all()
   jax.effects_barrier()
   assert len(draws) == longest, (len(draws), out.lengths)
-  # Every row stopping at its first token: no decode step at all, whatever the buckets.
+  # Every row stopping at its first token: no decode step at all.
   draws.clear()
   everything = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=tuple(range(64)))
-  out = _sample(model, *prompts, everything, first_bucket=2)
+  out = _sample(model, *prompts, everything, decode_block=2)
   jax.effects_barrier()
   assert len(draws) == 1 and (out.lengths == 1).all()
+
+
+def test_decode_is_one_program_for_every_length(model, prompts):
+  """One traced decode serves every max_new_tokens: the lowered program runs the same operations
+  for 12, 300 and 5000 new tokens (only buffer shapes differ), so compile time does not grow with
+  the length (a loop or a cache bucket per length would add operations)."""
+  graphdef, params = nnx.split(model)
+
+  def ops(n, **kw):
+    sampling = sampler.SamplingParams(max_new_tokens=n, **kw)
+    fn = jax.jit(sampler.sample, static_argnums=(0, 5))
+    text = fn.lower(graphdef, params, *prompts, jax.random.key(0), sampling).as_text()
+    return re.findall(r"= (?:\"?)(\w+\.\w+)", text)
+
+  for kw in (dict(temperature=TEMPERATURE), dict(greedy=True, stop_ids=(2,)), TRUNCATED):
+    short = ops(N, **kw)
+    assert len(short) > 100 and "stablehlo.while" in short
+    assert ops(300, **kw) == short == ops(5000, **kw), kw
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
