@@ -223,7 +223,7 @@ class Transformer(nnx.Module):
 
       def attend(q, k, v):
         if allowed is not None:
-          return attention_lib.dense(q, k, v, allowed)
+          return attention_lib.dense_fused(q, k, v, allowed)
         return attention_lib.attention(q, k, v, attn_mask, impl)
 
       def step(x, xs):

@@ -1,4 +1,4 @@
-"""Every attention implementation equals the dense reference: outputs and gradients, padding, GQA,
+"""Every attention implementation (dense's training path too) equals the dense reference: outputs and gradients, padding, GQA,
 lengths that are not a multiple of the tile, T = 1; the model with each one equals dense; the
 blockwise backward's compiled memory grows linearly, the dense one's quadratically."""
 
@@ -22,6 +22,8 @@ from gppo_jax import attention as attn
 ON_GPU = jax.default_backend() == "gpu"
 _cudnn = functools.partial(attn.cudnn, implementation="cudnn" if ON_GPU else "xla")
 IMPLS = {
+  # The training path of "dense" (dense_fused, a hand-written backward) vs autodiff of the reference.
+  "dense": functools.partial(attn.attention, impl="dense"),
   "blockwise": functools.partial(attn.blockwise, block_size=8),  # several tiles, a ragged end
   "cudnn": _cudnn,
   "splash": attn.splash,  # interpret mode off TPU
@@ -102,7 +104,8 @@ def test_float32_equals_dense(name):
 
 @pytest.mark.parametrize(
   "name",
-  ["blockwise", pytest.param("splash", marks=pytest.mark.slow)] + (["cudnn"] if ON_GPU else []),
+  ["dense", "blockwise", pytest.param("splash", marks=pytest.mark.slow)]
+  + (["cudnn"] if ON_GPU else []),
 )
 def test_bfloat16_close_to_dense(name):
   """(splash in bf16 is slow to interpret on CPU: -m slow; its float32 test runs by default.)"""

@@ -1,0 +1,327 @@
+"""One RL update step: our compiled update vs Hugging Face transformers Qwen2 + torch (CPU).
+
+Both sides take one optimizer step on the same fixed batch of the same Qwen2 shape (random
+weights, copied from the HF model into ours so both compute the same function), float32, 2 CPU
+threads each, in this one process:
+
+- ours: `train_step.make_update_fn` as training runs it (forward with `model.attention` and
+  `model.remat`, the chunked log-prob head on the response tokens, the GPPO loss kl/atomic,
+  gradient clipping, AdamW), jitted with the state donated;
+- HF: `Qwen2ForCausalLM` (sdpa attention) forward of the body, LM head on the response tokens,
+  log-softmax, a PPO clipped loss on the same behaviour log-probs and advantages, backward,
+  `clip_grad_norm_`, `torch.optim.AdamW.step`.
+
+Repeats are interleaved (this machine's speed drifts), compile and warm-up are excluded, medians
+compared. Achieved GFLOP/s counts model FLOPs: 6 x (layer parameters) per token, 6 x (LM head)
+per response token, plus causal attention (6 x T x heads x head_dim per token and layer, i.e. the
+lower triangle only); it is compared with XLA's own float32 matmul rate on this machine
+(a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON line.
+
+  python benchmarks/train_step.py                          # both shapes, the shipped defaults
+  python benchmarks/train_step.py --shape small --repeats 7
+  python benchmarks/train_step.py --shape tiny --variants full/dense,dots/dense,none/dense
+
+  python benchmarks/train_step.py --shape small --memory 2048,4096,8192 \
+      --variants full/auto,full/dense                       # compiled memory, nothing timed
+
+`--variants` times several of our configurations (remat/attention) in the same run;
+the first one is the one the ratio and JSON line's "ours" refer to.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gppo_jax import hf_checkpoint, objective, train_step  # noqa: E402
+from gppo_jax import model as model_lib  # noqa: E402
+
+# name -> (HF Qwen2 config fields, batch rows, sequence length)
+SHAPES = {
+  "small": (
+    dict(
+      vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+    ),
+    8, 256,
+  ),
+  "tiny": (
+    dict(
+      vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    16, 256,
+  ),
+}  # fmt: skip
+PROMPT_LEN = 32  # the response (the loss' tokens) is the rest of the sequence
+LR = 1e-5
+CLIP_EPS = 0.2
+
+
+def build(shape: str, seed: int = 0):
+  """(hf_model, our_model) of one shape with the same random weights."""
+  from transformers import Qwen2Config, Qwen2ForCausalLM
+
+  fields, _, _ = SHAPES[shape]
+  torch.manual_seed(seed)
+  cfg = Qwen2Config(
+    **fields, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+  )  # fmt: skip
+  hf = Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+  with tempfile.TemporaryDirectory() as tmp:
+    hf.save_pretrained(tmp)
+    ours = hf_checkpoint.load_model(tmp)
+  hf.train()
+  return hf, ours
+
+
+def make_batch(shape: str, seed: int = 0) -> train_step.Batch:
+  """A fixed rollout batch: rows x (prompt + response), every token real."""
+  fields, rows, length = SHAPES[shape]
+  rs = np.random.RandomState(seed)
+  R = length + 1 - PROMPT_LEN
+  prompt = rs.randint(3, fields["vocab_size"], size=(rows, PROMPT_LEN))
+  resp = rs.randint(3, fields["vocab_size"], size=(rows, R))
+  ones = lambda n: np.ones((rows, n), bool)
+  # Behaviour log-probs near the random policy's (-log V) so ratios are ~1, some clipped.
+  logq = -np.log(fields["vocab_size"]) + 0.3 * rs.randn(rows, R)
+  adv = rs.randn(rows)
+  return train_step.build_batch(prompt, ones(PROMPT_LEN), resp, ones(R), logq=logq, adv=adv)
+
+
+def model_flops(shape: str) -> float:
+  """Model FLOPs of one update step (forward + backward) on the shape's batch."""
+  f, rows, T = SHAPES[shape]
+  D, F, H, K = (f[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_key_value_heads"))  # fmt: skip
+  Dh = D // H
+  layer = D * (H + 2 * K) * Dh + (H + 2 * K) * Dh + H * Dh * D + 3 * D * F + 2 * D
+  R = T + 1 - PROMPT_LEN
+  body = 6 * layer * f["num_hidden_layers"] * rows * T
+  head = 6 * D * f["vocab_size"] * rows * R
+  attn = 6 * H * Dh * f["num_hidden_layers"] * rows * T * (T + 1) / 2
+  return body + head + attn
+
+
+def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
+  """run() -> one update step of our trainer, for variant 'remat/attention'."""
+  remat, attention = variant.split("/")
+  cfg = dataclasses.replace(model.cfg, remat=remat, attention=attention)
+  graphdef = model_lib.abstract_graphdef(cfg)
+  _, params = nnx.split(model)
+  tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
+  loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
+  spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
+  update = train_step.make_update_fn(graphdef, tx, spec)
+  state = train_step.TrainState(
+    params=jax.tree.map(jnp.array, params), opt_state=tx.init(params), step=jnp.int32(0)
+  )
+  jbatch = jax.tree.map(jnp.asarray, batch)
+  fn = jax.jit(update, donate_argnums=0)
+  holder = {"state": state}
+  t = time.perf_counter()
+  exe = fn.lower(state, jbatch, jax.random.key(0)).compile()
+  compile_s = time.perf_counter() - t
+
+  def run():
+    holder["state"], metrics = exe(holder["state"], jbatch, jax.random.key(1))
+    jax.block_until_ready(metrics)
+
+  return run, compile_s
+
+
+def hf_step(hf, batch: train_step.Batch):
+  """run() -> one PPO step of the HF model: forward, loss on the response, backward, AdamW."""
+  opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
+  inputs = torch.from_numpy(np.asarray(batch.inputs)).long()
+  targets = torch.from_numpy(np.asarray(batch.targets[:, PROMPT_LEN - 1 :])).long()
+  positions = torch.from_numpy(np.asarray(batch.positions)).long()
+  attn = torch.from_numpy(np.asarray(batch.attn)).long()
+  logq = torch.from_numpy(np.asarray(batch.logq))
+  adv = torch.from_numpy(np.asarray(batch.adv))[:, None]
+  mask = torch.from_numpy(np.asarray(batch.mask)).float()
+
+  def run():
+    hidden = hf.model(input_ids=inputs, attention_mask=attn, position_ids=positions)[0]
+    logits = hf.lm_head(hidden[:, PROMPT_LEN - 1 :])
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    ratio = torch.exp(logp - logq)
+    per_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * adv)
+    loss = (per_tok * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+  return run
+
+
+def logprob_agreement(hf, ours, batch) -> float:
+  """Max |log-prob difference| of the response tokens, ours vs HF, same weights (sanity)."""
+  fn = train_step.make_logprob_fn(nnx.graphdef(ours), prompt_len=PROMPT_LEN, temperature=1.0)
+  mine = np.asarray(fn(nnx.state(ours), jax.tree.map(jnp.asarray, batch)))
+  with torch.no_grad():
+    logits = hf(input_ids=torch.from_numpy(np.asarray(batch.inputs)).long()).logits
+    lp = torch.log_softmax(logits[:, PROMPT_LEN - 1 :], -1)
+    t = torch.from_numpy(np.asarray(batch.targets[:, PROMPT_LEN - 1 :])).long()
+    theirs = lp.gather(-1, t[..., None])[..., 0].numpy()
+  return float(np.max(np.abs(mine - theirs)))
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+  """XLA's float32 matmul rate on this machine (best of `repeats` n^3 products), GFLOP/s."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  dot(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    dot(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n**3 / best / 1e9
+
+
+def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
+  """GiB of temporaries XLA's memory analysis reports for one update (compiled, never run) of
+  the shape's model on one sequence of each length, per variant 'remat/attention'."""
+  from gppo_jax import architectures
+
+  fields, _, _ = SHAPES[shape]
+  hf = dict(fields, model_type="qwen2", max_position_embeddings=max(lengths) + 1)
+  base = architectures.config_from_hf(hf)
+  out = {}
+  for v in variants:
+    remat, attention = v.split("/")
+    cfg = dataclasses.replace(base, remat=remat, attention=attention)
+    graphdef = model_lib.abstract_graphdef(cfg)
+    params = nnx.state(nnx.eval_shape(lambda cfg=cfg: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
+    tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
+    loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
+    spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
+    fn = jax.jit(train_step.make_update_fn(graphdef, tx, spec), donate_argnums=0)
+    state = train_step.TrainState(
+      params=params, opt_state=jax.eval_shape(tx.init, params),
+      step=jax.ShapeDtypeStruct((), jnp.int32),
+    )  # fmt: skip
+    row = {}
+    for T in lengths:
+      batch = train_step.abstract_batch(1, PROMPT_LEN, T + 1 - PROMPT_LEN, spec)
+      mem = fn.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
+      row[T] = round(mem.temp_size_in_bytes / 2**30, 3)
+    out[v] = row
+  return out
+
+
+def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
+  hf, ours = build(shape)
+  batch = make_batch(shape)
+  agree = logprob_agreement(hf, ours, batch)
+  methods, compile_s = {}, {}
+  for v in variants:
+    methods[f"ours[{v}]"], compile_s[v] = ours_step(ours, v, batch)
+  methods["hf"] = hf_step(hf, batch)
+  for fn in methods.values():  # warm-up: allocator, oneDNN kernels, first-call paths
+    fn()
+  times = {k: [] for k in methods}
+  for _ in range(repeats):
+    for name, fn in methods.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  _, rows, T = SHAPES[shape]
+  med = {k: statistics.median(v) for k, v in times.items()}
+  tps = {k: rows * T / v for k, v in med.items()}
+  gflops = {k: model_flops(shape) / v / 1e9 for k, v in med.items()}
+  first = f"ours[{variants[0]}]"
+  return dict(
+    shape=shape, batch=[rows, T], params_m=round(model_lib.param_count(ours) / 1e6, 2),
+    logprob_max_abs_diff=agree, model_gflop_per_step=round(model_flops(shape) / 1e9, 2),
+    step_s={k: round(v, 4) for k, v in med.items()},
+    spread_s={k: [round(min(v), 4), round(max(v), 4)] for k, v in times.items()},
+    tokens_per_s={k: round(v, 1) for k, v in tps.items()},
+    gflops={k: round(v, 1) for k, v in gflops.items()},
+    compile_s={k: round(v, 1) for k, v in compile_s.items()},
+    ratio={k: round(tps[k] / tps["hf"], 3) for k in tps if k != "hf"},
+    ours_vs_hf=round(tps[first] / tps["hf"], 3),
+  )  # fmt: skip
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--shape", default="both", choices=["both", *SHAPES])
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument(
+    "--variants",
+    default="",
+    help="comma-separated remat/attention of ours (default: the ModelConfig defaults)",
+  )
+  ap.add_argument(
+    "--memory",
+    default="",
+    help="comma-separated sequence lengths: instead of timing, print the compiled temporary "
+    "memory of one update at batch 1 for each (e.g. 2048,4096,8192)",
+  )
+  args = ap.parse_args()
+  torch.set_num_threads(2)
+  defaults = model_lib.ModelConfig(1, 1, 1, 1, 1, 1, 2)
+  variants = [v for v in args.variants.split(",") if v] or [
+    f"{defaults.remat}/{defaults.attention}"
+  ]
+  for v in variants:
+    if len(v.split("/")) != 2:
+      ap.error(f"--variants entry {v!r}: expected remat/attention")
+  shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+  if args.memory:
+    lengths = [int(t) for t in args.memory.split(",")]
+    for shape in shapes:
+      mem = update_memory(shape, variants, lengths)
+      print(f"\n{shape}: compiled temporary memory of one update, batch 1, GiB")
+      print(f"  {'variant':<20}" + "".join(f"{'T=' + str(t):>10}" for t in lengths))
+      for v, row in mem.items():
+        print(f"  {v:<20}" + "".join(f"{row[t]:>10.3f}" for t in lengths))
+      print(json.dumps(dict(benchmark="train_step_memory", shape=shape, gib=mem)))
+    return
+  peak = matmul_gflops()
+  results = []
+  for shape in shapes:
+    r = bench_shape(shape, variants, args.repeats)
+    results.append(r)
+    print(
+      f"\n{shape}: Qwen2 shape {r['params_m']}M params, batch {r['batch']}, float32, 2 threads, "
+      f"{r['model_gflop_per_step']} model GFLOP/step; log-prob |ours - HF| <= "
+      f"{r['logprob_max_abs_diff']:.1e}"
+    )
+    print(f"  {'method':<28}{'step s':>9}{'tok/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs HF':>7}")
+    for k in r["step_s"]:
+      ratio = r["ratio"].get(k, 1.0)
+      print(
+        f"  {k:<28}{r['step_s'][k]:>9.4f}{r['tokens_per_s'][k]:>10.0f}{r['gflops'][k]:>9.1f}"
+        f"{r['gflops'][k] / peak:>10.1%}{ratio:>6.2f}x"
+      )
+    print(f"  compile s (excluded): {r['compile_s']}")
+  print(f"\nXLA float32 matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")
+  summary = dict(benchmark="train_step", matmul_gflops=round(peak, 1), shapes=results)
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()
