@@ -33,7 +33,13 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra) -> dict:
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "GPPO_"))}
+  # A clean environment for jax.distributed, but the session's compilation cache (conftest).
+  cache = ("JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k.startswith(cache) or not k.startswith(("JAX_", "GPPO_"))
+  }
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   env.update(extra)
   return env
