@@ -226,7 +226,7 @@ def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
     for T in lengths:
       batch = train_step.abstract_batch(1, PROMPT_LEN, T + 1 - PROMPT_LEN, spec)
       mem = fn.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
-      row[T] = round(mem.temp_size_in_bytes / 2**30, 3)
+      row[T] = round(mem.temp_size_in_bytes / 2**30, 4)
     out[v] = row
   return out
 

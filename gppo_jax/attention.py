@@ -35,8 +35,11 @@ import jax.numpy as jnp
 from gppo_jax import partitioning
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
-# CPU: dense attention up to this many tokens, blockwise beyond (benchmarks/attention_memory.py).
-DENSE_MAX_LEN = 1024
+# CPU: dense attention up to this many tokens, blockwise beyond. Measured with
+# benchmarks/train_step.py (one update step, 2 cores): at 256 tokens blockwise's single tile is
+# 10-25% faster than dense on the tiny and small Qwen2 shapes; at the default run's 17 tokens
+# dense is ~5% faster.
+DENSE_MAX_LEN = 128
 BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
 # Key block of the single-token decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
@@ -114,7 +117,7 @@ def _dense_fused_fwd(q, k, v, allowed):
   K = k.shape[2]
   qg = q.reshape(B, T, K, H // K, Dh)
   s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  s = jnp.where(allowed[:, None, None], s * (Dh**-0.5), _NEG_INF)  # each row allows one key
+  s = s * (Dh**-0.5) + _mask_bias(allowed)[:, None, None]  # each row allows one key
   p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v).reshape(B, T, H, Dh)
@@ -130,9 +133,12 @@ def _dense_fused_bwd(res, dout):
   qg, dog, og = (x.reshape(B, T, K, H // K, Dh) for x in (q, dout, out))
   dp = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=f32)
   delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(f32), og.astype(f32))
-  ds = (p * (dp - delta[..., None]) * (Dh**-0.5)).astype(q.dtype)
-  dq = jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=f32).reshape(q.shape)
-  dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=f32)
+  # The softmax scale multiplies dq and dk, not the [.., T, S] ds: a scalar times a tensor that
+  # size became a materialised broadcast of the scalar in XLA CPU's matmul fusions.
+  ds = (p * (dp - delta[..., None])).astype(q.dtype)
+  scale = Dh**-0.5
+  dq = jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=f32).reshape(q.shape) * scale
+  dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=f32) * scale
   dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dout.dtype), dog, preferred_element_type=f32)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -165,7 +171,13 @@ def _scores(qi, kj, allowed, scale):
   """float32 [B,K,G,bq,bk] scaled scores of qi [B,K,G,bq,Dh], kj [B,K,bk,Dh], -inf where not
   allowed [B,bq,bk]."""
   s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
-  return jnp.where(allowed[:, None, None], s, _NEG_INF)
+  return s + _mask_bias(allowed)[:, None, None]
+
+
+def _mask_bias(allowed):
+  """float32 0 where allowed, -inf elsewhere: added to the scores (a select against a broadcast
+  -inf constant the shape of the scores was materialised on CPU, on every call)."""
+  return jnp.where(allowed, 0.0, _NEG_INF).astype(jnp.float32)
 
 
 def _online_step(carry, s, vj):
@@ -244,9 +256,9 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
         "bkgqs,bkgqd->bksd", p.astype(dt), doi, preferred_element_type=jnp.float32
       )
       dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
-      ds = (p * (dp - di[..., None]) * scale).astype(dt)
-      dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qi, preferred_element_type=jnp.float32)
-      dqi = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
+      ds = (p * (dp - di[..., None])).astype(dt)  # the scale goes on dk, dq (see dense_fused)
+      dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qi, preferred_element_type=jnp.float32) * scale
+      dqi = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32) * scale
       dq = jax.lax.dynamic_update_slice_in_dim(dq, sl(dq) + dqi, i * tile, axis=3)
       return dq, dk, dv
 

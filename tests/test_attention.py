@@ -1,6 +1,7 @@
-"""Every attention implementation (dense's training path too) equals the dense reference: outputs and gradients, padding, GQA,
-lengths that are not a multiple of the tile, T = 1; the model with each one equals dense; the
-blockwise backward's compiled memory grows linearly, the dense one's quadratically."""
+"""Every attention implementation (dense's training path too) equals the dense reference:
+outputs and gradients, padding, GQA, lengths that are not a multiple of the tile, T = 1; the model
+with each one equals dense; the blockwise backward's compiled memory grows linearly, the dense
+one's quadratically."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gppo_jax import attention as attn
 ON_GPU = jax.default_backend() == "gpu"
 _cudnn = functools.partial(attn.cudnn, implementation="cudnn" if ON_GPU else "xla")
 IMPLS = {
-  # The training path of "dense" (dense_fused, a hand-written backward) vs autodiff of the reference.
+  # The training path of "dense" (dense_fused, a hand-written backward) vs autodiff of dense.
   "dense": functools.partial(attn.attention, impl="dense"),
   "blockwise": functools.partial(attn.blockwise, block_size=8),  # several tiles, a ragged end
   "cudnn": _cudnn,
@@ -162,6 +163,7 @@ def test_resolve_picks_by_backend_and_rejects_unknown_names():
   assert r("auto", backend="gpu", dtype=jnp.float32) == "blockwise"  # cuDNN: half precision
   assert r("auto", backend="cpu") == "blockwise"
   assert r("auto", backend="cpu", seq_len=64) == "dense"
+  assert r("auto", backend="cpu", seq_len=attn.DENSE_MAX_LEN + 1) == "blockwise"
   assert r("dense", backend="tpu") == "dense"
   with pytest.raises(ValueError, match="valid: auto, dense"):
     r("flash")
