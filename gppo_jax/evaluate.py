@@ -219,6 +219,7 @@ def main(argv):
   from ml_collections import config_flags
 
   experiment.quiet_libraries(flags.FLAGS)
+  experiment.use_compilation_cache()
   f = flags.FLAGS
   cfg = f.config
   workdir = f.workdir or experiment.default_workdir(config_flags.get_config_filename(f["config"]))

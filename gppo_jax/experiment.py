@@ -4,6 +4,7 @@
   policy:   build_policy (built-in task + tiny warm-started policy, or a Hugging Face folder)
   state:    init_state (TrainState on the mesh), abstract_state (its shapes, for restores)
   sampling: sampling_params (the rollout's decoding settings)
+  commands: quiet_libraries (console logging), use_compilation_cache (compiled programs on disk)
 
 Nothing here trains or evaluates; train.py and evaluate.py compose these.
 """
@@ -30,6 +31,9 @@ from gppo_jax.errors import MissingFileError, UserError
 log = logging.getLogger("gppo_jax")
 
 LOCK_NAME = "lock"
+# JAX's persistent compilation cache of the commands: a folder, or "off" (see use_compilation_cache).
+XLA_CACHE_ENV = "GPPO_XLA_CACHE"
+XLA_CACHE_DEFAULT = "~/.cache/gppo_jax/xla"
 
 
 # --- Workdir ------------------------------------------------------------------------------------
@@ -271,3 +275,29 @@ def quiet_libraries(flag_values) -> None:
     log.setLevel(logging.WARNING)
   else:
     log.setLevel(logging.DEBUG if verbosity.present and verbosity.value >= 1 else logging.INFO)
+
+
+def use_compilation_cache() -> str | None:
+  """Turns on JAX's persistent compilation cache for this process; returns its folder or None.
+
+  Programs that take at least a second to compile (the update, the sampler, the warm-start and
+  evaluation steps) are kept on disk, keyed by the program, the JAX version and the compile
+  options, so a second run of the same shapes (a resume, another seed or cell of a sweep, the
+  evaluate command after training) loads them instead of compiling again. The folder is
+  $GPPO_XLA_CACHE (default ~/.cache/gppo_jax/xla, at most 2 GiB, least recently used entries
+  dropped first); GPPO_XLA_CACHE=off turns it off. A cache the user configured through JAX itself
+  (JAX_COMPILATION_CACHE_DIR) is left as it is.
+  """
+  configured = jax.config.jax_compilation_cache_dir
+  if configured:
+    return configured
+  choice = os.environ.get(XLA_CACHE_ENV, XLA_CACHE_DEFAULT).strip()
+  if choice.lower() in ("", "off", "0", "false", "none"):
+    return None
+  path = choice if "://" in choice else os.path.abspath(os.path.expanduser(choice))
+  jax.config.update("jax_compilation_cache_dir", path)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  if jax.config.jax_compilation_cache_max_size < 0:  # unbounded: bound the user's disk use
+    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
+  return path

@@ -445,6 +445,7 @@ def main(argv):
   from ml_collections import config_flags
 
   experiment.quiet_libraries(flags.FLAGS)
+  experiment.use_compilation_cache()
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   summary = train_and_evaluate(
     flags.FLAGS.config, flags.FLAGS.workdir or experiment.default_workdir(path)

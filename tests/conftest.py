@@ -26,8 +26,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def _set_up_compilation_cache():
   choice = os.environ.get("GPPO_TEST_JAX_CACHE", "")
-  if choice == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    return  # off, or already set: by the user, or by the xdist controller for its workers
+  if choice == "off":
+    os.environ["GPPO_XLA_CACHE"] = "off"  # nor the commands' own cache in ~/.cache
+    return
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return  # already set: by the user, or by the xdist controller for its workers
   if choice:
     path = os.path.abspath(os.path.expanduser(choice))
   else:

@@ -431,3 +431,43 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   assert info5["steps"] == 6 and not any("cached at" in x for x in logs)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # retrained, same seed
+
+
+def _cache_probe(tmp_path, **env_extra):
+  """(folder use_compilation_cache returned, files in tmp_path/xla) in a fresh process that
+  compiles one program after the call, with the session's cache variables removed."""
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "GPPO_XLA"))}
+  env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **env_extra)
+  code = (
+    "import jax, jax.numpy as jnp\n"
+    "from gppo_jax import experiment\n"
+    "print(experiment.use_compilation_cache())\n"
+    "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()\n"
+  )
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p = subprocess.run(
+    [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
+  folder = tmp_path / "xla"
+  files = [f for f in folder.rglob("*") if f.is_file()] if folder.exists() else []
+  return p.stdout.strip().splitlines()[-1], files
+
+
+def test_commands_keep_compiled_programs_in_a_persistent_cache(tmp_path):
+  """train and evaluate call experiment.use_compilation_cache: GPPO_XLA_CACHE names the folder
+  (compiled programs land there), "off" turns it off, and a cache set through JAX is kept."""
+  where, files = _cache_probe(tmp_path, GPPO_XLA_CACHE=str(tmp_path / "xla"))
+  assert where == str(tmp_path / "xla") and files, (where, files)
+  assert experiment.XLA_CACHE_DEFAULT.startswith("~/.cache/")
+  where, files = _cache_probe(tmp_path / "off", GPPO_XLA_CACHE="off")
+  assert where == "None" and not files
+  theirs = str(tmp_path / "theirs")
+  where, _ = _cache_probe(tmp_path, GPPO_XLA_CACHE="off", JAX_COMPILATION_CACHE_DIR=theirs)
+  assert where == theirs
+  for command in (train, evaluate):
+    source = open(command.__file__).read()
+    assert "experiment.use_compilation_cache()" in source.split("def main(")[1]
