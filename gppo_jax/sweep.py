@@ -1,7 +1,7 @@
 """The GPPO grid as a sweep: cells x radii x seeds, one training process per run, paired statistics.
 
   python -m gppo_jax.sweep --jobs 2                                  # the default sweep (below)
-  python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --seeds 0-7 --jobs 2 --set optim.lr=3e-4
+  python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --seeds 0-7 --jobs 2 --set optim.lr=5e-4
   python -m gppo_jax.sweep --cells grid --rules f_eps,equal_tv --scales 0.5,1,2 --seeds 0-3
   python -m gppo_jax.sweep --report-only --out workdirs/sweep       # rebuild the outputs only
   python -m gppo_jax.sweep --dry-run ...                             # print the commands only
@@ -29,7 +29,7 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           by seed. (The prompts stay shared while every iteration draws one batch: DAPO refills,
           advantage.filter_zero_signal with rollout.refill_rounds > 0, draw as many as the policy
           needs, and the prompt streams of two cells part after the first refill.)
-  --set   any config override, `--set optim.lr=3e-4` -> `--config.optim.lr=3e-4` (applied last).
+  --set   any config override, `--set optim.lr=5e-4` -> `--config.optim.lr=5e-4` (applied last).
 
 The default budget: the 12 cells and `none` x seeds 0-2 (39 runs) of the default config
 (configs/base.py: 400 iterations of 64 prompts x 8 samples, 2 epochs x 4 mini-batches, evals every

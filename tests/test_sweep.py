@@ -207,7 +207,7 @@ def fake_run(out, run: sweep.Run, curve, masked, *, settings=None, finished=True
     "loss": {"divergence": preset.loss.divergence, "estimator": preset.loss.estimator},
     "rollout": {"prompts_per_iter": 64, "group_size": 8},
     "train": {"epochs": 2, "minibatches": 4},
-    "optim": {"lr": 5e-4},
+    "optim": {"lr": 3e-4},
     "eval": {"every": 50, "num_problems": 512},
     "warmstart": {"seed": settings.start_seed(run.seed)},
   }
