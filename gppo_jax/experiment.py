@@ -31,7 +31,7 @@ from gppo_jax.errors import MissingFileError, UserError
 log = logging.getLogger("gppo_jax")
 
 LOCK_NAME = "lock"
-# JAX's persistent compilation cache of the commands: a folder, or "off" (see use_compilation_cache).
+# The commands' persistent compilation cache: a folder, or "off" (use_compilation_cache).
 XLA_CACHE_ENV = "GPPO_XLA_CACHE"
 XLA_CACHE_DEFAULT = "~/.cache/gppo_jax/xla"
 
