@@ -15,6 +15,7 @@ from flax import nnx
 
 from gppo_jax import (
   architectures,
+  attention,
   checkpointing,
   objective,
   partitioning,
@@ -386,7 +387,9 @@ def test_plan_counts_linear_attention_memory_on_long_responses():
   assert plan.attention_impl(plan.model_config(_qwen_config(16384, "auto"))[0], 16896, "tpu") == (
     "splash"
   )
-  assert plan.attention_impl(plan.model_config(_qwen_config(512, "auto"))[0], 600, "cpu") == "dense"
+  short = plan.model_config(_qwen_config(512, "auto"))[0]
+  assert plan.attention_impl(short, attention.DENSE_MAX_LEN, "cpu") == "dense"
+  assert plan.attention_impl(short, 600, "cpu") == "blockwise"
 
 
 FAKE_GCLOUD = """#!/usr/bin/env bash
