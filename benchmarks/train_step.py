@@ -121,21 +121,26 @@ def model_flops(shape: str) -> float:
   return body + head + attn
 
 
-def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
-  """run() -> one update step of our trainer, for variant 'remat/attention'."""
+def variant_update(cfg, variant: str):
+  """(jitted update with the state donated, optimizer, spec) of our trainer for a model config
+  and a variant 'remat/attention': the step both the timing and the memory figures use."""
   remat, attention = variant.split("/")
-  cfg = dataclasses.replace(model.cfg, remat=remat, attention=attention)
-  graphdef = model_lib.abstract_graphdef(cfg)
-  _, params = nnx.split(model)
+  cfg = dataclasses.replace(cfg, remat=remat, attention=attention)
   tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
   loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
   spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
-  update = train_step.make_update_fn(graphdef, tx, spec)
+  update = train_step.make_update_fn(model_lib.abstract_graphdef(cfg), tx, spec)
+  return jax.jit(update, donate_argnums=0), tx, spec
+
+
+def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
+  """run() -> one update step of our trainer, for variant 'remat/attention'."""
+  fn, tx, _ = variant_update(model.cfg, variant)
+  _, params = nnx.split(model)
   state = train_step.TrainState(
     params=jax.tree.map(jnp.array, params), opt_state=tx.init(params), step=jnp.int32(0)
   )
   jbatch = jax.tree.map(jnp.asarray, batch)
-  fn = jax.jit(update, donate_argnums=0)
   holder = {"state": state}
   t = time.perf_counter()
   exe = fn.lower(state, jbatch, jax.random.key(0)).compile()
@@ -209,15 +214,9 @@ def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
   hf = dict(fields, model_type="qwen2", max_position_embeddings=max(lengths) + 1)
   base = architectures.config_from_hf(hf)
   out = {}
+  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(base, rngs=nnx.Rngs(0))))
   for v in variants:
-    remat, attention = v.split("/")
-    cfg = dataclasses.replace(base, remat=remat, attention=attention)
-    graphdef = model_lib.abstract_graphdef(cfg)
-    params = nnx.state(nnx.eval_shape(lambda cfg=cfg: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
-    tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
-    loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
-    spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
-    fn = jax.jit(train_step.make_update_fn(graphdef, tx, spec), donate_argnums=0)
+    fn, tx, spec = variant_update(base, v)
     state = train_step.TrainState(
       params=params, opt_state=jax.eval_shape(tx.init, params),
       step=jax.ShapeDtypeStruct((), jnp.int32),
