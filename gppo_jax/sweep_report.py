@@ -32,6 +32,7 @@ OWN = "own"  # the radius rule of presets (their own radii)
 INF = "inf"  # the radius rule of `none`
 RECORD = "sweep_run.json"  # in each run folder: what the run is, its train arguments, wall time
 SWEEP_FILE = "sweep.json"  # in the sweep folder: the shared settings and the invocations' times
+DIAG = "diag/"  # the estimator diagnostics' metrics (gppo_jax/diagnostics.py), averaged per run
 # The paper's summary claims (math / code), as relative gains of held-out accuracy.
 PAPER_CLAIMS = (
   ("KL-Atomic vs TV-MC (GRPO)", "+49.8% / +13.9%"),
@@ -91,10 +92,16 @@ def read_run(path: str) -> dict[str, Any]:
     "budget": _budget(config),
   }
   steps, curve, mask_steps, masked = [], [], [], []
+  diag_sum: dict[str, float] = {}
+  diag_n: dict[str, int] = {}
   try:
     with open(os.path.join(path, "metrics.jsonl")) as f:
       for line in f:
         x = json.loads(line)
+        for k, v in x.items():
+          if k.startswith(DIAG) and isinstance(v, (int, float)) and math.isfinite(v):
+            diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
+            diag_n[k] = diag_n.get(k, 0) + 1
         if "eval/accuracy" in x:
           steps.append(x["step"])
           curve.append(x["eval/accuracy"])
@@ -122,6 +129,7 @@ def read_run(path: str) -> dict[str, Any]:
     curve=curve,
     masked_steps=mask_steps,
     masked=masked,
+    diag={k[len(DIAG) :]: diag_sum[k] / diag_n[k] for k in diag_sum},
   )
   return row
 
@@ -382,6 +390,7 @@ def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
         "|---|---|---|---|---|",
         *_gain_rows(avg, cells_rows),
       ]
+    lines += _diagnostics_section(grows)
     lines += [
       "",
       f"Plots: [heatmap](plots/{tag}_heatmap.png), [learning curves](plots/{tag}_curves.png), "
@@ -429,6 +438,83 @@ def _cell_table(grows: Sequence[dict], cells_rows: dict[str, dict[int, dict]]) -
     cols.append(f"{100 * np.mean(masked):.1f}%" if masked else "n/a")
     cols.append(duration(float(np.mean(walls))) if walls else "n/a")
     lines.append("| " + " | ".join(cols) + " |")
+  return lines
+
+
+# Columns of the diagnostics table: (heading, per-estimator metric under diag/<estimator>/).
+DIAG_COLUMNS = (
+  ("masked", "masked_frac"),
+  ("q < 0.1", "masked_frac/q<0.1"),
+  ("q 0.1-0.5", "masked_frac/q0.1-0.5"),
+  ("q 0.5-0.9", "masked_frac/q0.5-0.9"),
+  ("q >= 0.9", "masked_frac/q>=0.9"),
+  ("agrees with exact", "mask_agree"),
+  ("over-masks", "overmask"),
+  ("under-masks", "undermask"),
+)
+
+
+def _diag_estimators(runs: Sequence[dict]) -> list[str]:
+  """The estimators whose diagnostics the runs logged: the paper's three first, then others."""
+  found = {k.split("/")[0] for r in runs for k in r["diag"] if k.endswith("/mask_agree")}
+  return [e for e in ESTIMATORS if e in found] + sorted(found - set(ESTIMATORS))
+
+
+def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
+  """Per divergence: every estimator's masked share by behaviour-probability bucket and its
+  agreement with the exact divergence's mask, pooled over the divergence's grid runs (in each
+  run all estimators are evaluated on the same tokens), and MC - Atomic paired by run."""
+  lines: list[str] = []
+  for div in DIVERGENCES:
+    runs = [
+      r
+      for r in grows
+      if r["cell"] in GRID and r["divergence"] == div and r["status"] == "done" and r["diag"]
+    ]
+    names = _diag_estimators(runs)
+    if not names:
+      continue
+    if not lines:
+      lines += [
+        "",
+        "### Why: each estimator's mask against the exact divergence's",
+        "",
+        "From the diagnostics (`diagnostics.every`): on the tokens of the rollout batches, the "
+        "share of tokens each estimator would mask at the cell's radius, overall and by the "
+        "behaviour probability q of the sampled token, beside the mask of the exact divergence "
+        "over the full vocabulary; `agrees` is how often the two decisions are the same, "
+        "`over-masks` the share masked by the estimator but not by the exact divergence. Each "
+        "run's mean over its diagnostic steps, then the mean over runs of the divergence (all "
+        "its cells: every estimator is evaluated on the same tokens in each run).",
+      ]
+    heads = [h for h, _ in DIAG_COLUMNS]
+    lines += [
+      "",
+      f"{div.upper()}, {len(runs)} run{'s' if len(runs) != 1 else ''}:",
+      "",
+      "| estimator | " + " | ".join(heads) + " |",
+      "|---|" + "---|" * len(heads),
+    ]
+    for name in [*names, "exact"]:
+      cols = [name]
+      for _, metric in DIAG_COLUMNS:
+        vals = [r["diag"].get(f"{name}/{metric}", math.nan) for r in runs]
+        vals = [v for v in vals if math.isfinite(v)]
+        cols.append(f"{100 * np.mean(vals):.2f}%" if vals else "")
+      lines.append("| " + " | ".join(cols) + " |")
+    if "mc" in names and "atomic" in names:
+      parts = []
+      for head, metric in DIAG_COLUMNS[:5]:
+        pairs = [
+          (r["diag"][f"mc/{metric}"], r["diag"][f"atomic/{metric}"])
+          for r in runs
+          if f"mc/{metric}" in r["diag"] and f"atomic/{metric}" in r["diag"]
+        ]
+        if pairs:
+          a, b = np.array(pairs).T
+          parts.append(f"{head} {_pct(*stats.paired_difference_ci(a, b), sign=True)}")
+      if parts:
+        lines += ["", "MC - Atomic masked share, points (paired by run): " + "; ".join(parts) + "."]
   return lines
 
 

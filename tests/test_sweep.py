@@ -184,8 +184,11 @@ def test_bad_command_line_is_one_error_line_and_exit_2():
 # --- Run folders: fakes -------------------------------------------------------------------------
 
 
-def fake_run(out, run: sweep.Run, curve, masked, *, settings=None, finished=True, seconds=9.0):
-  """A run folder as train and the sweep leave it: record, config, metrics, summary."""
+def fake_run(
+  out, run: sweep.Run, curve, masked, *, settings=None, finished=True, seconds=9.0, diag=None
+):
+  """A run folder as train and the sweep leave it: record, config, metrics, summary; `diag`
+  ({metric: value}) is logged as diag/<metric> every 10 steps."""
   settings = settings or sweep.Settings(out=str(out))
   path = sweep.run_dir(str(out), run)
   os.makedirs(path, exist_ok=True)
@@ -219,6 +222,9 @@ def fake_run(out, run: sweep.Run, curve, masked, *, settings=None, finished=True
       line = {"step": step, "trust/masked_frac_late": masked}
       if step % 50 == 0:
         line["eval/accuracy"] = curve[step // 50]
+      if diag and step % 10 == 0:
+        line.update({f"diag/{k}": v for k, v in diag.items()})
+        line["diag/ratio_hist"] = [1, 2, 3]  # a histogram: not a figure to average
       f.write(json.dumps(line) + "\n")
   if finished:
     summary = {
@@ -300,6 +306,34 @@ def test_outputs_from_run_folders(tmp_path):
   for p in paths["plots"]:
     with open(p, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
+
+
+def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp_path):
+  for seed in range(4):
+    for cell in ("kl_mc", "kl_atomic", "none"):
+      diag = {
+        "mc/masked_frac/q<0.1": 0.50 + 0.01 * seed,
+        "mc/mask_agree": 0.90,
+        "atomic/masked_frac/q<0.1": 0.20,
+        "atomic/mask_agree": 0.95,
+        "exact/masked_frac/q<0.1": 0.25,
+      }
+      if cell == "none":  # an infinite radius masks nothing: not pooled with the KL cells
+        diag = {k: 0.0 for k in diag}
+      rule = sweep.INF if cell == "none" else "f_eps"
+      fake_run(tmp_path, sweep.Run(seed, rule, 1.0, cell), [0.3, 0.5, 0.6], 0.05, diag=diag)
+  row = report.read_run(sweep.run_dir(str(tmp_path), sweep.Run(2, "f_eps", 1.0, "kl_mc")))
+  assert row["diag"]["mc/masked_frac/q<0.1"] == pytest.approx(0.52)
+  assert "ratio_hist" not in row["diag"]
+  text = report.results_markdown(report.collect(str(tmp_path)))
+  assert "KL, 8 runs:" in text and "TV," not in text
+  lines = text.splitlines()
+  mc = [c.strip() for c in next(x for x in lines if x.startswith("| mc |")).strip("|").split("|")]
+  assert mc[2] == "51.50%" and mc[6] == "90.00%"  # q < 0.1 (mean of 0.50-0.53), agreement
+  exact = next(x for x in lines if x.startswith("| exact |"))
+  assert "| 25.00% |" in exact
+  paired = next(x for x in lines if x.startswith("MC - Atomic"))
+  assert "q < 0.1 +31.5 [" in paired  # 51.5 - 20.0 points, paired over the 8 runs
 
 
 def test_report_only_rebuilds_outputs(tmp_path):
