@@ -391,10 +391,15 @@ def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
         *_gain_rows(avg, cells_rows),
       ]
     lines += _diagnostics_section(grows)
+    by_q = (
+      f", [masked share by behaviour probability](plots/{tag}_masked_by_q.png)"
+      if _diag_pools(grows)
+      else ""
+    )
     lines += [
       "",
       f"Plots: [heatmap](plots/{tag}_heatmap.png), [learning curves](plots/{tag}_curves.png), "
-      f"[masked fraction](plots/{tag}_masked.png).",
+      f"[masked fraction](plots/{tag}_masked.png){by_q}.",
     ]
   failed = [r for r in rows if r["status"].startswith("failed")]
   if failed:
@@ -460,20 +465,32 @@ def _diag_estimators(runs: Sequence[dict]) -> list[str]:
   return [e for e in ESTIMATORS if e in found] + sorted(found - set(ESTIMATORS))
 
 
-def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
-  """Per divergence: every estimator's masked share by behaviour-probability bucket and its
-  agreement with the exact divergence's mask, pooled over the divergence's grid runs (in each
-  run all estimators are evaluated on the same tokens), and MC - Atomic paired by run."""
-  lines: list[str] = []
+def _diag_pools(grows: Sequence[dict]) -> list[tuple[str, list[dict]]]:
+  """(divergence, its finished grid runs with diagnostics) for each divergence that has any."""
+  pools = []
   for div in DIVERGENCES:
     runs = [
       r
       for r in grows
       if r["cell"] in GRID and r["divergence"] == div and r["status"] == "done" and r["diag"]
     ]
+    if _diag_estimators(runs):
+      pools.append((div, runs))
+  return pools
+
+
+def _diag_mean(runs: Sequence[dict], key: str) -> float:
+  vals = [r["diag"][key] for r in runs if math.isfinite(r["diag"].get(key, math.nan))]
+  return float(np.mean(vals)) if vals else math.nan
+
+
+def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
+  """Per divergence: every estimator's masked share by behaviour-probability bucket and its
+  agreement with the exact divergence's mask, pooled over the divergence's grid runs (in each
+  run all estimators are evaluated on the same tokens), and MC - Atomic paired by run."""
+  lines: list[str] = []
+  for div, runs in _diag_pools(grows):
     names = _diag_estimators(runs)
-    if not names:
-      continue
     if not lines:
       lines += [
         "",
@@ -498,9 +515,8 @@ def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
     for name in [*names, "exact"]:
       cols = [name]
       for _, metric in DIAG_COLUMNS:
-        vals = [r["diag"].get(f"{name}/{metric}", math.nan) for r in runs]
-        vals = [v for v in vals if math.isfinite(v)]
-        cols.append(f"{100 * np.mean(vals):.2f}%" if vals else "")
+        v = _diag_mean(runs, f"{name}/{metric}")
+        cols.append(f"{100 * v:.2f}%" if math.isfinite(v) else "")
       lines.append("| " + " | ".join(cols) + " |")
     if "mc" in names and "atomic" in names:
       parts = []
@@ -557,7 +573,9 @@ def _color(cell: str) -> str:
 def write_plots(plot_dir: str, rows: Sequence[dict]) -> list[str]:
   """Per radius setting: `<tag>_heatmap.png` (divergence x estimator, final and AUC accuracy),
   `<tag>_curves.png` (held-out accuracy along the run, mean over seeds with its 95% band) and
-  `<tag>_masked.png` (masked fraction of the later mini-batches, smoothed, with its band)."""
+  `<tag>_masked.png` (masked fraction of the later mini-batches, smoothed, with its band) and,
+  where the runs logged diagnostics, `<tag>_masked_by_q.png` (each estimator's masked share by
+  behaviour probability beside the exact divergence's)."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -636,7 +654,37 @@ def write_plots(plot_dir: str, rows: Sequence[dict]) -> list[str]:
       paths.append(os.path.join(plot_dir, f"{tag}_{kind}.png"))
       fig.savefig(paths[-1], dpi=100)
       plt.close(fig)
+
+    pools = _diag_pools([r for r in rows if in_group(r, group)])
+    if pools:
+      paths.append(os.path.join(plot_dir, f"{tag}_masked_by_q.png"))
+      _plot_masked_by_q(plt, paths[-1], pools, tag)
   return paths
+
+
+def _plot_masked_by_q(plt, path: str, pools: Sequence[tuple[str, list[dict]]], tag: str) -> None:
+  """One panel per divergence: each estimator's masked share per behaviour-probability bucket,
+  beside the exact divergence's (the diagnostics, mean over the divergence's runs)."""
+  buckets = [(h, m) for h, m in DIAG_COLUMNS[1:5]]
+  fig, axes = plt.subplots(1, len(pools), figsize=(max(6.0, 4.2 * len(pools)), 3.8), squeeze=False)
+  for ax, (div, runs) in zip(axes[0], pools, strict=True):
+    names = [*_diag_estimators(runs), "exact"]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+      vals = [100 * _diag_mean(runs, f"{name}/{m}") for _, m in buckets]
+      xs = np.arange(len(buckets)) + (i - (len(names) - 1) / 2) * width
+      color = "0.3" if name == "exact" else f"C{i}"
+      ax.bar(xs, vals, width, label=name, color=color)
+    ax.set_xticks(range(len(buckets)), [h for h, _ in buckets], fontsize=8)
+    ax.set_title(f"{div} ({len(runs)} runs)")
+    ax.set_xlabel("behaviour probability of the sampled token")
+    ax.set_ylabel("masked at the cell's radius (%)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(f"Masked share by behaviour probability, each estimator vs exact, radius {tag}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def write_outputs(out: str, sweep: dict | None = None) -> dict[str, Any]:

@@ -334,6 +334,10 @@ def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp
   assert "| 25.00% |" in exact
   paired = next(x for x in lines if x.startswith("MC - Atomic"))
   assert "q < 0.1 +31.5 [" in paired  # 51.5 - 20.0 points, paired over the 8 runs
+  plot = os.path.join(tmp_path, "plots", "f_eps_x1_masked_by_q.png")
+  assert plot in report.write_plots(os.path.join(tmp_path, "plots"), report.collect(str(tmp_path)))
+  with open(plot, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_only_rebuilds_outputs(tmp_path):
