@@ -12,10 +12,10 @@ threads each, in this one process:
   `clip_grad_norm_`, `torch.optim.AdamW.step`.
 
 Repeats are interleaved (this machine's speed drifts), compile and warm-up are excluded, medians
-compared. Achieved GFLOP/s counts model FLOPs: 6 x (layer parameters) per token, 6 x (LM head)
-per response token, plus causal attention (6 x T x heads x head_dim per token and layer, i.e. the
-lower triangle only); it is compared with XLA's own float32 matmul rate on this machine
-(a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON line.
+compared. Achieved GFLOP/s counts model FLOPs (`plan.update_flops`: 6 x (layer parameters) per
+token, 6 x (LM head) per response token, plus causal attention, 6 x T x heads x head_dim per
+token and layer: the lower triangle only); it is compared with XLA's own float32 matmul rate on
+this machine (a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON line.
 
   python benchmarks/train_step.py                          # both shapes, the shipped defaults
   python benchmarks/train_step.py --shape small --repeats 7
@@ -108,17 +108,12 @@ def make_batch(shape: str, seed: int = 0) -> train_step.Batch:
 
 
 def model_flops(shape: str) -> float:
-  """Model FLOPs of one update step (forward + backward) on the shape's batch."""
-  f, rows, T = SHAPES[shape]
-  D, F, H, K = (f[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                               "num_key_value_heads"))  # fmt: skip
-  Dh = D // H
-  layer = D * (H + 2 * K) * Dh + (H + 2 * K) * Dh + H * Dh * D + 3 * D * F + 2 * D
-  R = T + 1 - PROMPT_LEN
-  body = 6 * layer * f["num_hidden_layers"] * rows * T
-  head = 6 * D * f["vocab_size"] * rows * R
-  attn = 6 * H * Dh * f["num_hidden_layers"] * rows * T * (T + 1) / 2
-  return body + head + attn
+  """Model FLOPs of one update step (forward + backward) on the shape's batch (plan.py)."""
+  from gppo_jax import architectures, plan
+
+  fields, rows, T = SHAPES[shape]
+  cfg = architectures.config_from_hf(dict(fields, model_type="qwen2"))
+  return plan.update_flops(cfg, rows, T, T + 1 - PROMPT_LEN)
 
 
 def variant_update(cfg, variant: str):

@@ -45,6 +45,18 @@ PLATFORM_MEMORY_GB = {
   "b200": 180,
   "cpu": 16,
 }
+# Dense bfloat16 matmul peak per chip / GPU, TFLOP/s (vendor figures, no sparsity): the
+# denominator of model-FLOPs utilisation (benchmarks/gpu_train_step.py).
+PLATFORM_BF16_TFLOPS = {
+  "v4": 275,
+  "v5e": 197,
+  "v5p": 459,
+  "v6e": 918,
+  "a100": 312,
+  "h100": 989,
+  "h200": 989,
+  "b200": 2250,
+}
 # The backend each platform's "auto" attention resolves for (attention.resolve).
 PLATFORM_BACKEND = {name: "tpu" for name in ("v4", "v5e", "v5p", "v6e")}
 PLATFORM_BACKEND.update({name: "gpu" for name in ("a100", "h100", "h200", "b200")}, cpu="cpu")
@@ -129,6 +141,24 @@ def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, 
 
 
 # --- Accounting --------------------------------------------------------------------------------
+
+
+def update_flops(cfg: architectures.ModelConfig, rows: int, length: int, response: int) -> float:
+  """Model FLOPs of one optimizer step (forward + backward, no recomputation) on `rows`
+  sequences of `length` tokens whose last `response` tokens carry the loss: 6 x (layer
+  parameters) per token, 6 x (LM head) per response token (the head runs on those only), and
+  causal attention's two matmuls: 12 x heads x head_dim per query and key, forward and backward,
+  over the lower triangle (token t attends to t keys), i.e. 6 x T x heads x head_dim per token
+  and layer on average."""
+  D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  layer = D * (q + 2 * kv) + q * D + 3 * D * F
+  if cfg.attention_bias:
+    layer += q + 2 * kv
+  body = 6 * layer * L * rows * length
+  head = 6 * D * cfg.vocab_size * rows * response
+  attn = 6 * q * L * rows * length * (length + 1)
+  return float(body + head + attn)
 
 
 def per_device_bytes(tree: Any, shardings: Any) -> int:

@@ -48,3 +48,37 @@ def test_update_memory_benchmark_blockwise_grows_slower_than_dense(tmp_path):
   assert block["2048"] <= 2.2 * block["1024"], block
   assert dense["2048"] >= 3.0 * dense["1024"], dense
   assert block["2048"] < dense["2048"] / 2, gib
+
+
+def _load(script):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(script[:-3], REPO / "benchmarks" / script)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_gpu_benchmark_knows_each_chips_bf16_peak():
+  gpu = _load("gpu_train_step.py")
+  kind = lambda name: type("Device", (), {"device_kind": name})()
+  assert gpu.peak_tflops(kind("NVIDIA H200")) == 989.0
+  assert gpu.peak_tflops(kind("NVIDIA A100-SXM4-80GB")) == 312.0
+  assert gpu.peak_tflops(kind("TPU v5p")) == 459.0
+  assert gpu.peak_tflops(kind("TPU v5 lite")) == 197.0
+  assert gpu.peak_tflops(kind("cpu")) is None
+
+
+def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_path):
+  """The accelerator script's CPU smoke run: one variant, a long-context compile and step."""
+  p = _run(
+    tmp_path, "gpu_train_step.py", "--arch", "tiny", "--batch", "2", "--length", "64",
+    "--prompt", "16", "--steps", "1", "--variants", "full/auto", "--long", "256,512",
+  )  # fmt: skip
+  assert p.returncode == 0, p.stderr[-2000:]
+  out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+  t = out["timing"]["full/auto"]
+  assert t["loss_finite"] and t["step_s"] > 0 and t["tflops"] > 0
+  assert out["peak_tflops"] is None and "mfu" not in t  # a CPU has no bf16 peak to divide by
+  mem = out["long_context"]
+  assert 0 < mem["256"]["temp_gib"] < mem["512"]["temp_gib"] and mem["512"]["step_s"] > 0

@@ -392,6 +392,24 @@ def test_plan_counts_linear_attention_memory_on_long_responses():
   assert plan.attention_impl(short, 600, "cpu") == "blockwise"
 
 
+def test_update_flops_count_six_per_parameter_and_token_plus_causal_attention():
+  """plan.update_flops: the body is 6 x the layers' matmul parameters per token (counted here
+  from the model itself), the head 6 x its parameters per response token, and attention grows
+  with T^2 (12 x heads x head_dim per query-key pair of the lower triangle)."""
+  cfg = architectures.ARCHITECTURES["tiny"]
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  # The layers' weight matrices (stacked over layers): every parameter but embeddings and norms.
+  kernels = sum(x.size for path, x in flat.items() if path[0] == "layers" and path[1][0] == "w")
+  assert kernels == sum(x.size for x in flat.values()) - 2 * 64 * 64 - 64 * (1 + 2 * 2)
+  q = cfg.num_heads * cfg.head_dim
+  head = cfg.vocab_size * cfg.hidden_size
+  for rows, T, R in ((1, 8, 0), (3, 32, 5)):
+    attn = 12 * q * cfg.num_layers * rows * sum(range(1, T + 1))
+    expect = 6 * kernels * rows * T + 6 * head * rows * R + attn
+    assert plan.update_flops(cfg, rows, T, R) == pytest.approx(expect)
+
+
 FAKE_GCLOUD = """#!/usr/bin/env bash
 printf '%s\n---\n' "$*" >> "$GCLOUD_CALLS"
 case "$*" in
