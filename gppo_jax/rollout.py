@@ -230,6 +230,11 @@ def collect(
       "rollout/loss_rows_frac": float(np.mean(keep)),
     }
   )
+  if pool.out.entropy is not None and np.any(pool.out.mask):
+    # The policy's mean entropy per sampled token (of the tempered distribution drawn from).
+    metrics["rollout/entropy"] = float(
+      np.sum(np.where(pool.out.mask, pool.out.entropy, 0.0)) / np.sum(pool.out.mask)
+    )
   for k in ("time/sample_s", "time/reward_s"):  # totals over the rounds, not means
     metrics[k] = float(sum(m[k] for m in metric_rows))
   return batch, metrics

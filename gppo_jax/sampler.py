@@ -115,7 +115,9 @@ class SampleOutput:
   lengths: int32 [B] = mask.sum(-1); topk_logprobs / topk_ids: [B, N, K] sorted descending
   (None unless num_topk > 0; -inf / pad_id where mask is False); kept_ids: int32 [B, N, top_k],
   the kept set each token was drawn from, -1 for ranks cut by top-p, every rank where mask is False
-  and past the vocabulary (None unless `SamplingParams.kept_width`).
+  and past the vocabulary (None unless `SamplingParams.kept_width`); entropy: float32 [B, N], the
+  entropy of the full tempered distribution softmax(logits / T) (T = 1 when greedy) at each
+  token's step (0 where mask is False), so that the policy's entropy is logged with every rollout.
   """
 
   tokens: jax.Array
@@ -125,6 +127,7 @@ class SampleOutput:
   topk_logprobs: jax.Array | None = None
   topk_ids: jax.Array | None = None
   kept_ids: jax.Array | None = None
+  entropy: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -142,6 +145,7 @@ class SamplerState:
   topk_logprobs: jax.Array | None
   topk_ids: jax.Array | None
   kept_ids: jax.Array | None = None
+  entropy: jax.Array | None = None
 
 
 def left_pad(
@@ -244,14 +248,17 @@ def _draw(key: jax.Array, weights: jax.Array) -> jax.Array:
 
 def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   """Draws one token per row from float32 logits [B, V]; returns (token, logprob, topk or None,
-  kept ids or None).
+  kept ids or None, entropy).
 
   One exp pass serves the draw and the log-normaliser: logprob = x[token] - logsumexp(x) for the
-  tempered logits x (or the truncated ones, -inf outside the kept set).
+  tempered logits x (or the truncated ones, -inf outside the kept set), and the entropy of
+  softmax(x): log sum(e) - sum(e (x - max x)) / sum(e) with e = exp(x - max x).
   """
   x = logits if p.greedy else logits / p.temperature
   top = jnp.max(x, axis=-1, keepdims=True)  # always kept by truncation, so shared by both
   e = jnp.exp(x - top)
+  total = jnp.sum(e, axis=-1)
+  entropy = jnp.log(total) - jnp.sum(e * (x - top), axis=-1) / total
   kept_ids = None
   if p.greedy:
     token = jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -280,10 +287,12 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   if p.num_topk > 0:
     vals, ids = jax.lax.top_k(dist, p.num_topk)
     topk = (vals - lse, ids)
-  return token, logprob, topk, kept_ids
+  return token, logprob, topk, kept_ids, entropy
 
 
-def _record(state: SamplerState, token, logprob, topk, kept, p: SamplingParams) -> SamplerState:
+def _record(
+  state: SamplerState, token, logprob, topk, kept, entropy, p: SamplingParams
+) -> SamplerState:
   """Writes the token drawn for response index `state.step` and advances the done flags."""
   live = ~state.done
   token = jnp.where(live, token, p.pad_id)
@@ -296,6 +305,7 @@ def _record(state: SamplerState, token, logprob, topk, kept, p: SamplingParams) 
     tokens=put(state.tokens, token),
     logprobs=put(state.logprobs, jnp.where(live, logprob, 0.0)),
     mask=put(state.mask, live),
+    entropy=put(state.entropy, jnp.where(live, entropy, 0.0)),
   )
   if topk is not None:
     vals, ids = topk
@@ -403,6 +413,7 @@ def sample(
     topk_logprobs=jnp.full((batch, n, k), -jnp.inf, jnp.float32) if k else None,
     topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
     kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
+    entropy=jnp.zeros((batch, n), jnp.float32),
   )
   state = _record(state, *_sample_token(logits, jax.random.fold_in(rng, 0), sampling), sampling)
 
@@ -430,6 +441,7 @@ def sample(
     topk_logprobs=s.topk_logprobs,
     topk_ids=s.topk_ids,
     kept_ids=s.kept_ids,
+    entropy=s.entropy,
   )
 
 
@@ -588,6 +600,7 @@ def jit_sampler(
     topk_logprobs=rows if k else None,
     topk_ids=rows if k else None,
     kept_ids=rows if sampling.kept_width else None,
+    entropy=rows,
   )
 
   def sample_on_mesh(params, prompt_tokens, prompt_mask, rng):

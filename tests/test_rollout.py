@@ -52,9 +52,10 @@ class ScriptedEnv:
     return correct, valid, {"reward/scored": float(len(prompts))}
 
 
-def scripted_sampler(truncate_every=0):
+def scripted_sampler(truncate_every=0, entropy=False):
   """Responses of length 2 ending with STOP; with truncate_every=k every k-th row fills all R
-  slots without a stop token."""
+  slots without a stop token; with entropy, per-token entropies 1 (first token) and 3 (the
+  others), 99 past the response (never to be counted)."""
 
   def sample(params, p_tok, p_mask, key, sampling):
     b = p_tok.shape[0]
@@ -67,7 +68,13 @@ def scripted_sampler(truncate_every=0):
       tokens[rows] = 8
       mask[rows] = True
     lp = np.where(mask, -0.5, 0.0).astype(np.float32)
-    return sampler.SampleOutput(tokens=tokens, logprobs=lp, mask=mask, lengths=mask.sum(1))
+    ent = None
+    if entropy:
+      ent = np.where(mask, 3.0, 99.0).astype(np.float32)
+      ent[:, 0] = 1.0
+    return sampler.SampleOutput(
+      tokens=tokens, logprobs=lp, mask=mask, lengths=mask.sum(1), entropy=ent
+    )
 
   return sample
 
@@ -118,6 +125,16 @@ def test_batch_rows_and_shapes():
   np.testing.assert_allclose(adv.sum(axis=1), 0, atol=1e-5)
   assert m["rollout/rounds"] == 1 and m["reward/mean"] == pytest.approx(0.5)
   assert m["time/sample_s"] >= 0 and m["time/reward_s"] >= 0
+
+
+def test_the_policys_entropy_is_the_mean_over_sampled_tokens():
+  env = ScriptedEnv(["mixed"])
+  _, m = collect(config(), env, scripted_sampler(truncate_every=4, entropy=True))
+  # 16 rows: 4 truncated ones of R tokens (1 + 3 (R - 1)), 12 of 2 tokens (1 + 3).
+  total, count = 4 * (1 + 3 * (R - 1)) + 12 * 4, 4 * R + 12 * 2
+  assert m["rollout/entropy"] == pytest.approx(total / count)
+  _, m = collect(config(), env)  # a sampler that reports no entropy: no figure, no NaN
+  assert "rollout/entropy" not in m
 
 
 def test_zero_signal_groups_are_masked_without_refill():

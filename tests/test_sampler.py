@@ -145,6 +145,25 @@ def test_logprobs_match_trainer(model, prompts, outputs):
   assert np.abs(lp_t1 - out.logprobs).max() > 1e-3
 
 
+def test_entropy_is_the_tempered_distributions_at_each_step(model, prompts, outputs):
+  """The sampler's per-token entropy == that of softmax(logits / T) from a no-cache forward over
+  prompt + response; greedy's is softmax(logits)'s; 0 past the stop token."""
+  ptoks, pmask = prompts
+  P = ptoks.shape[1]
+  for out, temperature in ((_tempered(outputs), TEMPERATURE), (_greedy(outputs), 1.0)):
+    tokens = jnp.concatenate([ptoks, out.tokens], axis=1)
+    mask = jnp.concatenate([pmask, out.mask], axis=1)
+    logits = np.asarray(_full_logits(model, tokens, mask), np.float64)[:, P - 1 : -1] / temperature
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    logp -= logits.max(-1, keepdims=True)
+    want = -(np.exp(logp) * logp).sum(-1)
+    assert (want > 0.05).all()  # a real distribution, not a point mass: the check is not trivial
+    np.testing.assert_allclose(out.entropy, want, rtol=1e-4, atol=1e-5)
+  stopped = outputs("stopped_entropy", stop_ids=(int(_greedy(outputs).tokens[0, 1]),), greedy=True)
+  assert (~stopped.mask).any() and (stopped.entropy[~stopped.mask] == 0).all()
+  assert (stopped.entropy[stopped.mask] > 0).all()
+
+
 def test_topk_sorted_and_consistent(outputs):
   out = _tempered(outputs)
   vals, ids = out.topk_logprobs, out.topk_ids
