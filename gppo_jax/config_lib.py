@@ -203,7 +203,8 @@ def base(
   # avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
   # Every `every` iterations (0 = off): each per-token estimator against the exact divergence over
   # the full vocabulary on the rollout batch, masked fractions by side and behaviour probability,
-  # entropy, a log-ratio histogram (docs/math.md#diagnostics): two extra forward passes.
+  # entropy, a log-ratio histogram (docs/math.md#diagnostics): two extra forward passes, after
+  # the update (diag/...) and, with rollout.staleness > 0, also before it (diag_start/...).
   c.diagnostics = ml_collections.ConfigDict()
   c.diagnostics.every = 10
   c.diagnostics.divergences = ()  # extra divergences whose exact value is logged, e.g. ("tv", "kl")

@@ -267,6 +267,11 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   before = jax.tree.map(jnp.copy, state.params) if run.behaviour else None
   if diagnose and not run.behaviour:
     behaviour = jax.tree.map(jnp.copy, state.params)
+  if diagnose and run.behaviour:
+    # Stale rollouts: the learner already differs from the behaviour before its first step. The
+    # same figures at the start of the update, as diag_start/... (on-policy they are all zero).
+    start = jax.device_get(run.diagnose(behaviour, state.params, on_devices))
+    metrics.update({"diag_start/" + k.split("/", 1)[1]: v for k, v in start.items()})
   state, upd = run.update(state, on_devices, jax.random.fold_in(key, 1))
   if run.behaviour:
     run.behaviour = run.behaviour[1:] + [before]

@@ -23,6 +23,7 @@ def stale_config(iterations):
   c.checkpoint.every = 1
   c.checkpoint.keep = 10
   c.eval.every = 1  # a run's last iteration is evaluated: so is every one, in each run compared
+  c.diagnostics.every = 1
   return c
 
 
@@ -57,6 +58,12 @@ def test_stale_rollouts_lag_the_learner_and_resume_exactly(tmp_path):
   # off-policy, by what the updates in between moved it.
   assert first[0] < 1e-9 and min(first[1:]) > 1e3 * max(first[0], 1e-9), first
   assert got[0]["trust/masked_frac_first"] == 0.0
+  # The diagnostics at the start of each update see the same lag: the exact divergence between
+  # the behaviour and the learner before its first step is float noise at iteration 0 only.
+  start = [r["diag_start/exact/mean"] for r in got]
+  assert start[0] < 1e-6 and min(start[1:]) > 1e-6, start
+  assert all(r["diag/exact/mean"] > r["diag_start/exact/mean"] for r in got[:1])
+  assert "diag_start/ratio_hist" not in got[1] and "diag_start/mc/mask_agree" in got[1]
 
   # The checkpoint holds the lagging policies: at step 3 the parameters before updates 2 and 3,
   # i.e. the learner's parameters saved at steps 1 and 2, oldest first.
