@@ -32,7 +32,9 @@ OWN = "own"  # the radius rule of presets (their own radii)
 INF = "inf"  # the radius rule of `none`
 RECORD = "sweep_run.json"  # in each run folder: what the run is, its train arguments, wall time
 SWEEP_FILE = "sweep.json"  # in the sweep folder: the shared settings and the invocations' times
-DIAG = "diag/"  # the estimator diagnostics' metrics (gppo_jax/diagnostics.py), averaged per run
+# The estimator diagnostics' metrics (gppo_jax/diagnostics.py), averaged per run: after each
+# update, and (stale rollouts) before it; row field -> metric prefix.
+DIAG_FIELDS = {"diag": "diag/", "diag_start": "diag_start/"}
 # The paper's summary claims (math / code), as relative gains of held-out accuracy.
 PAPER_CLAIMS = (
   ("KL-Atomic vs TV-MC (GRPO)", "+49.8% / +13.9%"),
@@ -99,7 +101,7 @@ def read_run(path: str) -> dict[str, Any]:
       for line in f:
         x = json.loads(line)
         for k, v in x.items():
-          if k.startswith(DIAG) and isinstance(v, (int, float)) and math.isfinite(v):
+          if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
             diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
             diag_n[k] = diag_n.get(k, 0) + 1
         if "eval/accuracy" in x:
@@ -129,8 +131,11 @@ def read_run(path: str) -> dict[str, Any]:
     curve=curve,
     masked_steps=mask_steps,
     masked=masked,
-    diag={k[len(DIAG) :]: diag_sum[k] / diag_n[k] for k in diag_sum},
   )
+  for field, prefix in DIAG_FIELDS.items():
+    row[field] = {
+      k[len(prefix) :]: diag_sum[k] / diag_n[k] for k in diag_sum if k.startswith(prefix)
+    }
   return row
 
 
@@ -459,50 +464,65 @@ DIAG_COLUMNS = (
 )
 
 
-def _diag_estimators(runs: Sequence[dict]) -> list[str]:
+def _diag_estimators(runs: Sequence[dict], field: str = "diag") -> list[str]:
   """The estimators whose diagnostics the runs logged: the paper's three first, then others."""
-  found = {k.split("/")[0] for r in runs for k in r["diag"] if k.endswith("/mask_agree")}
+  found = {k.split("/")[0] for r in runs for k in r[field] if k.endswith("/mask_agree")}
   return [e for e in ESTIMATORS if e in found] + sorted(found - set(ESTIMATORS))
 
 
-def _diag_pools(grows: Sequence[dict]) -> list[tuple[str, list[dict]]]:
+def _diag_pools(grows: Sequence[dict], field: str = "diag") -> list[tuple[str, list[dict]]]:
   """(divergence, its finished grid runs with diagnostics) for each divergence that has any."""
   pools = []
   for div in DIVERGENCES:
     runs = [
       r
       for r in grows
-      if r["cell"] in GRID and r["divergence"] == div and r["status"] == "done" and r["diag"]
+      if r["cell"] in GRID and r["divergence"] == div and r["status"] == "done" and r[field]
     ]
-    if _diag_estimators(runs):
+    if _diag_estimators(runs, field):
       pools.append((div, runs))
   return pools
 
 
-def _diag_mean(runs: Sequence[dict], key: str) -> float:
-  vals = [r["diag"][key] for r in runs if math.isfinite(r["diag"].get(key, math.nan))]
+def _diag_mean(runs: Sequence[dict], key: str, field: str = "diag") -> float:
+  vals = [r[field][key] for r in runs if math.isfinite(r[field].get(key, math.nan))]
   return float(np.mean(vals)) if vals else math.nan
 
 
 def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
   """Per divergence: every estimator's masked share by behaviour-probability bucket and its
   agreement with the exact divergence's mask, pooled over the divergence's grid runs (in each
-  run all estimators are evaluated on the same tokens), and MC - Atomic paired by run."""
+  run all estimators are evaluated on the same tokens), and MC - Atomic paired by run; after the
+  update, and where the runs logged it (stale rollouts), before it."""
   lines: list[str] = []
-  for div, runs in _diag_pools(grows):
-    names = _diag_estimators(runs)
+  for field in DIAG_FIELDS:
+    lines += _diagnostics_tables(grows, field)
+  return lines
+
+
+def _diagnostics_tables(grows: Sequence[dict], field: str) -> list[str]:
+  lines: list[str] = []
+  for div, runs in _diag_pools(grows, field):
+    names = _diag_estimators(runs, field)
     if not lines:
+      when = (
+        "after each update (the policy it produced against the one that sampled the batch)"
+        if field == "diag"
+        else "before each update (stale rollouts: the learner against the older policy that "
+        "sampled the batch, where the first optimizer step's mask acts)"
+      )
       lines += [
         "",
-        "### Why: each estimator's mask against the exact divergence's",
+        "### Why: each estimator's mask against the exact divergence's"
+        + ("" if field == "diag" else ", before the update"),
         "",
-        "From the diagnostics (`diagnostics.every`): on the tokens of the rollout batches, the "
-        "share of tokens each estimator would mask at the cell's radius, overall and by the "
-        "behaviour probability q of the sampled token, beside the mask of the exact divergence "
-        "over the full vocabulary; `agrees` is how often the two decisions are the same, "
-        "`over-masks` the share masked by the estimator but not by the exact divergence. Each "
-        "run's mean over its diagnostic steps, then the mean over runs of the divergence (all "
-        "its cells: every estimator is evaluated on the same tokens in each run).",
+        f"From the diagnostics (`diagnostics.every`), {when}: on the tokens of the rollout "
+        "batches, the share of tokens each estimator would mask at the cell's radius, overall and "
+        "by the behaviour probability q of the sampled token, beside the mask of the exact "
+        "divergence over the full vocabulary; `agrees` is how often the two decisions are the "
+        "same, `over-masks` the share masked by the estimator but not by the exact divergence. "
+        "Each run's mean over its diagnostic steps, then the mean over runs of the divergence "
+        "(all its cells: every estimator is evaluated on the same tokens in each run).",
       ]
     heads = [h for h, _ in DIAG_COLUMNS]
     lines += [
@@ -515,17 +535,16 @@ def _diagnostics_section(grows: Sequence[dict]) -> list[str]:
     for name in [*names, "exact"]:
       cols = [name]
       for _, metric in DIAG_COLUMNS:
-        v = _diag_mean(runs, f"{name}/{metric}")
+        v = _diag_mean(runs, f"{name}/{metric}", field)
         cols.append(f"{100 * v:.2f}%" if math.isfinite(v) else "")
       lines.append("| " + " | ".join(cols) + " |")
     if "mc" in names and "atomic" in names:
       parts = []
       for head, metric in DIAG_COLUMNS[:5]:
-        pairs = [
-          (r["diag"][f"mc/{metric}"], r["diag"][f"atomic/{metric}"])
-          for r in runs
-          if f"mc/{metric}" in r["diag"] and f"atomic/{metric}" in r["diag"]
-        ]
+        d = [r[field] for r in runs]
+        keys = (f"mc/{metric}", f"atomic/{metric}")
+        pairs = [(x[keys[0]], x[keys[1]]) for x in d if keys[0] in x and keys[1] in x]
+        pairs = [p for p in pairs if all(map(math.isfinite, p))]
         if pairs:
           a, b = np.array(pairs).T
           parts.append(f"{head} {_pct(*stats.paired_difference_ci(a, b), sign=True)}")

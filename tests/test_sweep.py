@@ -223,7 +223,7 @@ def fake_run(
       if step % 50 == 0:
         line["eval/accuracy"] = curve[step // 50]
       if diag and step % 10 == 0:
-        line.update({f"diag/{k}": v for k, v in diag.items()})
+        line.update({k if k.startswith("diag_start/") else f"diag/{k}": v for k, v in diag.items()})
         line["diag/ratio_hist"] = [1, 2, 3]  # a histogram: not a figure to average
       f.write(json.dumps(line) + "\n")
   if finished:
@@ -318,6 +318,9 @@ def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp
         "atomic/mask_agree": 0.95,
         "exact/masked_frac/q<0.1": 0.25,
       }
+      if seed < 2:  # stale rollouts: the same figures before the update
+        diag["diag_start/mc/mask_agree"] = 0.8
+        diag["diag_start/atomic/mask_agree"] = 0.7
       if cell == "none":  # an infinite radius masks nothing: not pooled with the KL cells
         diag = {k: 0.0 for k in diag}
       rule = sweep.INF if cell == "none" else "f_eps"
@@ -334,6 +337,12 @@ def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp
   assert "| 25.00% |" in exact
   paired = next(x for x in lines if x.startswith("MC - Atomic"))
   assert "q < 0.1 +31.5 [" in paired  # 51.5 - 20.0 points, paired over the 8 runs
+  assert row["diag_start"] == {} and "diag_start/mc/mask_agree" not in row["diag"]
+  before = text[
+    text.index("### Why: each estimator's mask against the exact divergence's, before") :
+  ]
+  assert "KL, 4 runs:" in before  # the runs that logged it
+  assert [x for x in before.splitlines() if x.startswith("| mc |")][0].split("|")[7] == " 80.00% "
   plot = os.path.join(tmp_path, "plots", "f_eps_x1_masked_by_q.png")
   assert plot in report.write_plots(os.path.join(tmp_path, "plots"), report.collect(str(tmp_path)))
   with open(plot, "rb") as f:
