@@ -1,7 +1,7 @@
 """The GPPO grid as a sweep: cells x radii x seeds, one training process per run, paired statistics.
 
   python -m gppo_jax.sweep                                           # the default sweep (below)
-  python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --seeds 0-7 --jobs 2 --set optim.lr=5e-4
+  python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --set rollout.staleness=2 --out w/stale
   python -m gppo_jax.sweep --cells grid --rules f_eps,equal_tv --scales 0.5,1,2 --seeds 0-3
   python -m gppo_jax.sweep --report-only --out workdirs/sweep       # rebuild the outputs only
   python -m gppo_jax.sweep --dry-run ...                             # print the commands only
