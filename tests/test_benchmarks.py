@@ -73,7 +73,7 @@ def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_
   """The accelerator script's CPU smoke run: one variant, a long-context compile and step."""
   p = _run(
     tmp_path, "gpu_train_step.py", "--arch", "tiny", "--batch", "2", "--length", "64",
-    "--prompt", "16", "--steps", "1", "--variants", "full/auto", "--long", "256,512",
+    "--prompt", "16", "--steps", "1", "--variants", "full/auto", "--long", "256",
   )  # fmt: skip
   assert p.returncode == 0, p.stderr[-2000:]
   out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
@@ -81,4 +81,4 @@ def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_
   assert t["loss_finite"] and t["step_s"] > 0 and t["tflops"] > 0
   assert out["peak_tflops"] is None and "mfu" not in t  # a CPU has no bf16 peak to divide by
   mem = out["long_context"]
-  assert 0 < mem["256"]["temp_gib"] < mem["512"]["temp_gib"] and mem["512"]["step_s"] > 0
+  assert mem["256"]["temp_gib"] > 0 and mem["256"]["step_s"] > 0  # (growth: the test above)
