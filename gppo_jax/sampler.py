@@ -258,7 +258,8 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   top = jnp.max(x, axis=-1, keepdims=True)  # always kept by truncation, so shared by both
   e = jnp.exp(x - top)
   total = jnp.sum(e, axis=-1)
-  entropy = jnp.log(total) - jnp.sum(e * (x - top), axis=-1) / total
+  # (where e = 0 the term is 0, also for a -inf logit, whose product would be NaN)
+  entropy = jnp.log(total) - jnp.sum(jnp.where(e > 0, e * (x - top), 0.0), axis=-1) / total
   kept_ids = None
   if p.greedy:
     token = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -164,6 +164,15 @@ def test_entropy_is_the_tempered_distributions_at_each_step(model, prompts, outp
   assert (stopped.entropy[stopped.mask] > 0).all()
 
 
+def test_entropy_ignores_minus_infinity_logits():
+  """A -inf logit (an excluded token) has probability 0 and adds nothing: finite entropy."""
+  logits = jnp.array([[1.0, -jnp.inf, 0.5, -jnp.inf], [0.0, 0.0, 0.0, 0.0]])
+  params = sampler.SamplingParams(max_new_tokens=1, temperature=0.7)
+  entropy = np.asarray(sampler._sample_token(logits, jax.random.key(0), params)[-1])
+  p = np.asarray(jax.nn.softmax(jnp.array([1.0, 0.5]) / 0.7))
+  np.testing.assert_allclose(entropy, [-(p * np.log(p)).sum(), np.log(4)], rtol=1e-5)
+
+
 def test_topk_sorted_and_consistent(outputs):
   out = _tempered(outputs)
   vals, ids = out.topk_logprobs, out.topk_ids
