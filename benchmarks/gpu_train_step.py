@@ -127,7 +127,7 @@ def time_variant(args, variant: str) -> dict:
     step_s=round(step, 4),
     spread_s=[round(min(times), 4), round(max(times), 4)],
     tokens_per_s=round(args.batch * args.length / step, 1),
-    tflops=round(flops / step / 1e12, 2),
+    tflops=float(f"{flops / step / 1e12:.4g}"),  # 4 significant digits: tiny CPU runs too
     loss_finite=bool(np.isfinite(loss)),
   )
 
@@ -135,12 +135,7 @@ def time_variant(args, variant: str) -> dict:
 def long_context(args, variant: str, length: int) -> dict:
   cfg = model_config(args, variant)
   fn, tx, spec = make_update(cfg, args.prompt)
-  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
-  state = train_step.TrainState(
-    params=abstract,
-    opt_state=jax.eval_shape(tx.init, abstract),
-    step=jax.ShapeDtypeStruct((), jnp.int32),
-  )
+  state = train_step.abstract_train_state(cfg, tx)
   batch = train_step.abstract_batch(1, args.prompt, length + 1 - args.prompt, spec)
   exe = fn.lower(state, batch, jax.random.key(0)).compile()
   mem = exe.memory_analysis()
@@ -187,10 +182,9 @@ def main() -> None:
   device = jax.devices()[0]
   peak = args.peak_tflops or peak_tflops(device)
   cfg = model_config(args, variants[0])
-  params = sum(
-    x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(
-      cfg, rngs=nnx.Rngs(0)))))
-  )  # fmt: skip
+  params = model_lib.param_count(
+    nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  )
   print(
     f"{args.arch} ({params / 1e6:.1f}M params), {args.dtype} compute / {args.param_dtype} "
     f"params, batch {args.batch} x {args.length} tokens; {device.device_kind} "

@@ -209,13 +209,9 @@ def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
   hf = dict(fields, model_type="qwen2", max_position_embeddings=max(lengths) + 1)
   base = architectures.config_from_hf(hf)
   out = {}
-  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(base, rngs=nnx.Rngs(0))))
   for v in variants:
     fn, tx, spec = variant_update(base, v)
-    state = train_step.TrainState(
-      params=params, opt_state=jax.eval_shape(tx.init, params),
-      step=jax.ShapeDtypeStruct((), jnp.int32),
-    )  # fmt: skip
+    state = train_step.abstract_train_state(base, tx)
     row = {}
     for T in lengths:
       batch = train_step.abstract_batch(1, PROMPT_LEN, T + 1 - PROMPT_LEN, spec)

@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from gppo_jax import architectures, attention, cli, config_lib, errors, sharding, train_step
 from gppo_jax import model as model_lib
@@ -127,15 +126,8 @@ def rollout_shape(config) -> tuple[int, int, int]:
 def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, resp_len: int):
   """(update_fn, abstract TrainState, UpdateSpec) exactly as the trainer builds them."""
   graphdef = model_lib.abstract_graphdef(model_cfg)
-  abstract_params = nnx.state(
-    nnx.eval_shape(lambda: model_lib.Transformer(model_cfg, rngs=nnx.Rngs(0)))
-  )
   tx = train_step.optimizer_from_config(config)
-  state = train_step.TrainState(
-    params=abstract_params,
-    opt_state=jax.eval_shape(tx.init, abstract_params),
-    step=jax.ShapeDtypeStruct((), jnp.int32),
-  )
+  state = train_step.abstract_train_state(model_cfg, tx)
   spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
   return train_step.make_update_fn(graphdef, tx, spec), state, spec
 

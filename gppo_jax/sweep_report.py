@@ -540,8 +540,8 @@ def _diagnostics_tables(grows: Sequence[dict], field: str) -> list[str]:
       lines.append("| " + " | ".join(cols) + " |")
     if "mc" in names and "atomic" in names:
       parts = []
+      d = [r[field] for r in runs]
       for head, metric in DIAG_COLUMNS[:5]:
-        d = [r[field] for r in runs]
         keys = (f"mc/{metric}", f"atomic/{metric}")
         pairs = [(x[keys[0]], x[keys[1]]) for x in d if keys[0] in x and keys[1] in x]
         pairs = [p for p in pairs if all(map(math.isfinite, p))]

@@ -129,6 +129,19 @@ def kept_width(rollout) -> int:
   return int(rollout.top_k) if sampled and rollout.top_k > 0 else 0
 
 
+def abstract_train_state(
+  cfg: model_lib.ModelConfig, tx: optax.GradientTransformation
+) -> TrainState:
+  """The TrainState of a fresh model of `cfg` with optimizer `tx`, as jax.ShapeDtypeStructs:
+  what the update compiles for when nothing is to be allocated (plan.py, benchmarks/)."""
+  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
+  return TrainState(
+    params=params,
+    opt_state=jax.eval_shape(tx.init, params),
+    step=jax.ShapeDtypeStruct((), jnp.int32),
+  )
+
+
 def abstract_batch(
   num_rows: int, prompt_len: int, response_len: int, spec: UpdateSpec, num_topk: int = 0
 ) -> Batch:
