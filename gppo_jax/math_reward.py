@@ -491,6 +491,9 @@ class MathVerifier:
     with self._lock:
       if self._closed:
         raise RuntimeError("MathVerifier is closed")
+      for w in list(self._workers):  # died between batches (killed from outside, OOM...)
+        if w.proc.poll() is not None:
+          self._replace(w)
       out: list[tuple[str, str] | None] = [None] * len(tasks)
       queue = collections.deque(range(len(tasks)))
       deaths = [0] * len(tasks)

@@ -228,6 +228,7 @@ def test_memory_limit_and_no_leaks_after_close():
 def test_worker_killed_from_outside_is_replaced(verifier):
   victim = verifier.pids[0]
   os.kill(victim, 9)
+  verifier._workers[0].proc.wait(timeout=30)  # the kill is asynchronous; let it land
   results = verifier.score_batch([r"\boxed{0.25}", r"\boxed{0.75}"], [r"\frac14", r"\frac34"])
   assert [r.status for r in results] == [OK, OK]
   assert victim not in verifier.pids
