@@ -32,6 +32,9 @@ REQUIRED = {
 }
 
 
+# train.shuffle: how each epoch cuts the rollout batch into mini-batches (train_step.UpdateSpec).
+SHUFFLES = ("groups", "rows")
+
 # Config-file arguments: name -> whether it takes a value (`task=NAME`) or is a switch (`smoke`).
 BASE_ARGS: dict[str, bool] = {"smoke": False, "task": True}
 
@@ -198,6 +201,16 @@ def base(
   c.train.epochs = 2
   c.train.minibatches = 4
   c.train.microbatches = 1
+  # How each epoch cuts the rollouts into mini-batches: "groups" shuffles whole groups (each
+  # mini- and micro-batch holds complete groups, and the update runs each group's prompt through
+  # the model once for its G responses: about half the work on the built-in task), "rows" shuffles
+  # single responses. README "Training".
+  c.train.shuffle = "groups"
+  # Cut each rollout batch's responses to its longest one, rounded up to a multiple of this many
+  # tokens, before the update (0 = keep all rollout.max_new_tokens columns). The columns cut are
+  # padding in every row, so nothing changes but the work; each new length compiles the update
+  # once (cached on disk). The real-run configs set 0: a 7B update compiles for minutes.
+  c.train.trim_bucket = 1
 
   # The evaluation protocol, separate from the rollout's (README "Evaluation"): greedy accuracy,
   # avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
@@ -499,6 +512,8 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   # Update, evaluation, checkpoints.
   for field in ("train.epochs", "train.minibatches", "train.microbatches"):
     k.integer(field, 1)
+  k.choice("train.shuffle", SHUFFLES)
+  k.integer("train.trim_bucket", 0)
   k.integer("eval.every", 1)
   k.integer("eval.num_problems", 1)
   k.integer("eval.n", 0, none_ok=True)
@@ -533,6 +548,12 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     raise errors.ConfigError(
       f"rollout.prompts_per_iter * rollout.group_size = {n} must be divisible by "
       f"train.minibatches * train.microbatches = {u.minibatches * u.microbatches}"
+    )
+  if u.shuffle == "groups" and r.prompts_per_iter % (u.minibatches * u.microbatches):
+    raise errors.ConfigError(
+      f"train.shuffle='groups' keeps groups whole: rollout.prompts_per_iter = "
+      f"{r.prompts_per_iter} must be divisible by train.minibatches * train.microbatches = "
+      f"{u.minibatches * u.microbatches} (or set train.shuffle='rows')"
     )
   if r.refill_rounds and not c.advantage.filter_zero_signal:
     raise errors.ConfigError(
@@ -675,6 +696,11 @@ def real_run(
   c.train.epochs = 1
   c.train.minibatches = 8  # mini-batches after the first are off-policy: the trust region acts
   c.train.microbatches = v["micro"]
+  # Single rows: a micro-batch here holds fewer groups than the mesh has data x fsdp devices, and
+  # the shared-prompt update packs a group into one row (train.shuffle "groups" would leave
+  # devices idle); a prompt is also a small share of these sequences.
+  c.train.shuffle = "rows"
+  c.train.trim_bucket = 0
   c.optim.lr = 1e-6
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.01

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax
 import jax
@@ -215,26 +215,7 @@ class Transformer(nnx.Module):
     layer_ids = jnp.arange(cfg.num_layers)
 
     if cache is None:
-      impl = attention_lib.resolve(
-        cfg.attention, seq_len=T, dtype=cfg.compute_dtype, head_dim=cfg.head_dim
-      )
-      # Dense: the [B, T, T] mask is built once, outside the layer scan.
-      allowed = attention_lib.self_allowed(attn_mask) if impl == "dense" else None
-
-      def attend(q, k, v):
-        if allowed is not None:
-          return attention_lib.dense_fused(q, k, v, allowed)
-        return attention_lib.attention(q, k, v, attn_mask, impl)
-
-      def step(x, xs):
-        p, _ = xs
-        x = partitioning.constrain_batch(x)
-        return _layer(cfg, p, x, positions, inv_freq, attend), None
-
-      if REMAT_POLICIES[cfg.remat] is not None:
-        step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-
-      x, _ = jax.lax.scan(step, x, (params, layer_ids))
+      x = self._layer_scan(x, positions, self._self_attend(attn_mask))
       new_cache = None
     else:
       if cache_index is None:
@@ -286,6 +267,90 @@ class Transformer(nnx.Module):
       new_cache = KVCache(k=ck, v=cv, mask=mask)
 
     return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+
+  def _self_attend(self, attn_mask: jax.Array) -> Callable:
+    """attend(q, k, v) for causal self-attention over [B, T] rows with padding mask attn_mask."""
+    cfg = self.cfg
+    impl = attention_lib.resolve(
+      cfg.attention, seq_len=attn_mask.shape[1], dtype=cfg.compute_dtype, head_dim=cfg.head_dim
+    )
+    if impl == "dense":
+      allowed = attention_lib.self_allowed(attn_mask)  # built once, outside the layer scan
+      return lambda q, k, v: attention_lib.dense_fused(q, k, v, allowed)
+    return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, impl)
+
+  def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+    """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
+    each step rematerialised by cfg.remat; returns the final-norm hidden states."""
+    cfg = self.cfg
+    inv_freq = rope_inv_freq(cfg)
+
+    def step(x, p):
+      x = partitioning.constrain_batch(x)
+      return _layer(cfg, p, x, positions, inv_freq, attend), None
+
+    if REMAT_POLICIES[cfg.remat] is not None:
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, self.layers.arrays())
+    return x
+
+  def shared_prompt_hidden(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    attn_mask: jax.Array,
+    *,
+    prompt_len: int,
+    group_size: int,
+  ) -> jax.Array:
+    """Hidden states of the response part of rows that come in groups sharing one prompt,
+    running each prompt through the layers once instead of once per row.
+
+    tokens, positions: int32 [N, L]; attn_mask: bool [N, L], as `__call__`, with N a multiple of
+    G = group_size and rows g*G .. g*G + G - 1 identical in their first P = prompt_len columns
+    (a group's G responses to one left-padded prompt). Returns [N, L - P + 1, hidden_size], equal
+    to `self(tokens, positions, attn_mask=attn_mask)[0][:, P - 1:]` (the last prompt position
+    onwards: what predicts the response tokens).
+
+    Each group is packed into one row of P + G * (L - P) tokens (the prompt, then its G
+    continuations), so the projections and the MLP see each prompt token once. Only attention
+    needs the rows themselves: it unpacks q, k and v into the N rows of L tokens (each prompt
+    broadcast to its G rows), runs cfg.attention's causal self-attention on them (the prompt's
+    queries are computed G times there, a small share of a layer), and packs the result back,
+    reading each prompt's outputs from its group's first row. The backward sums each prompt's
+    gradients over its G rows through the broadcast.
+    """
+    N, L = tokens.shape
+    G, P = group_size, prompt_len
+    if N % G or not 0 < P < L:
+      raise ValueError(
+        f"shared_prompt_hidden: {N} rows of {L} tokens do not make groups of {G} with a "
+        f"{P}-token prompt"
+      )
+    ngroups, R = N // G, L - P
+
+    def pack(a):  # [N, L, ...] -> [ngroups, P + G * R, ...]
+      a = a.reshape(ngroups, G, L, *a.shape[2:])
+      conts = a[:, :, P:].reshape(ngroups, G * R, *a.shape[3:])
+      return jnp.concatenate([a[:, 0, :P], conts], axis=1)
+
+    def unpack(a):  # [ngroups, P + G * R, ...] -> [N, L, ...]
+      tail = a.shape[2:]
+      prompt = jnp.broadcast_to(a[:, None, :P], (ngroups, G, P, *tail))
+      conts = a[:, P:].reshape(ngroups, G, R, *tail)
+      return jnp.concatenate([prompt, conts], axis=2).reshape(N, L, *tail)
+
+    row_attend = self._self_attend(attn_mask.astype(bool))
+
+    def attend(q, k, v):
+      return pack(row_attend(unpack(q), unpack(k), unpack(v)))
+
+    x = jnp.take(self.embed[...], pack(tokens), axis=0).astype(self.cfg.compute_dtype)
+    x = self._layer_scan(x, pack(positions), attend)
+    x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+    last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
+    conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
+    return jnp.concatenate([last, conts], axis=2).reshape(N, R + 1, x.shape[-1])
 
   def unembedding(self) -> tuple[jax.Array, bool]:
     """(W, tied): the output projection, [vocab, hidden] when tied else [hidden, vocab]."""

@@ -195,6 +195,15 @@ def to_host(tree: Any) -> Any:
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
+def global_max(value: int) -> int:
+  """The largest of each process's `value` (the value itself on one process)."""
+  if jax.process_count() == 1:
+    return int(value)
+  from jax.experimental import multihost_utils
+
+  return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
 def abstract_like(tree: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying `shardings`: the target for restoring a checkpoint onto a mesh."""
   return jax.tree.map(

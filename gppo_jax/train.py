@@ -190,8 +190,9 @@ def _set_up(
   batch_sh = sharding.batch_shardings(batch, mesh)
   update = sharding.jit_update(train_step.make_update_fn(graphdef, tx, spec), state_sh, batch_sh)
   logprob_fn = train_step.make_logprob_fn(
-    graphdef, prompt_len=spec.prompt_len, temperature=spec.temperature
+    graphdef, prompt_len=spec.prompt_len, temperature=spec.temperature, group_size=spec.group_size
   )
+  _check_group_split(config, spec, mesh)
   run = Run(
     config=config,
     workdir=workdir,
@@ -214,6 +215,19 @@ def _set_up(
   if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
     run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
   return run, state
+
+
+def _check_group_split(config, spec: train_step.UpdateSpec, mesh) -> None:
+  """Warns when the shared-prompt update cannot spread its groups over the batch devices."""
+  devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  groups = config.rollout.prompts_per_iter // (spec.minibatches * spec.microbatches)
+  if spec.group_size > 1 and groups % devices:
+    log.warning(
+      "train.shuffle='groups': a micro-batch holds %d groups, which do not split over the %d "
+      "data x fsdp devices (the update packs each group into one row), so every device computes "
+      "all of them; set train.shuffle='rows' or a multiple of %d groups per micro-batch",
+      groups, devices, devices,
+    )  # fmt: skip
 
 
 def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable | None:
@@ -249,6 +263,13 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     pad_id=run.sampling.pad_id,
     use_topk=run.spec.use_topk,
   )
+  bucket = run.config.train.get("trim_bucket", 0)
+  if bucket:  # cut the columns that are padding in every row (a multiple of the bucket)
+    # Every process cuts its rows alike.
+    extent = sharding.global_max(train_step.response_extent(batch, run.spec.prompt_len))
+    keep = -(-extent // bucket) * bucket
+    batch = train_step.trim_responses(batch, run.spec.prompt_len, keep)
+    metrics["rollout/update_columns"] = min(keep, batch.logq.shape[1])
   t1 = time.perf_counter()
   if run.config.rollout.recompute_logprobs or run.ref_params is not None:
     if run.ref_params is not None:

@@ -116,6 +116,7 @@ def update_spec_from_config(config, prompt_len: int, response_len: int) -> Updat
     microbatches=u.microbatches,
     temperature=config.rollout.temperature,
     kept_width=kept_width(config.rollout),
+    group_size=config.rollout.group_size if u.get("shuffle", "rows") == "groups" else 1,
   )
 
 
@@ -196,13 +197,50 @@ def build_batch(
   )
 
 
-def _response_stats(model, batch, *, prompt_len, temperature, entropy=False, gather=False):
+def response_extent(batch: Batch, prompt_len: int) -> int:
+  """How many response columns hold a real token in some row (1 .. R): the batch's longest
+  response, or R when a row may fill every column."""
+  R = batch.logq.shape[1]
+  # attn's response columns are the inputs, response tokens 0 .. R-2; a row whose R-1 inputs are
+  # all real may hold a real last token too, any other row ends at its first padding input.
+  longest = int(np.asarray(batch.attn)[:, prompt_len:].sum(axis=1).max(initial=0))
+  return R if longest >= R - 1 else max(1, longest)
+
+
+def trim_responses(batch: Batch, prompt_len: int, keep: int) -> Batch:
+  """The batch with its first `keep` response columns (keep >= `response_extent`): the columns
+  after them hold padding in every row, which no loss, metric or real token's attention reads, so
+  the update's result is unchanged while its work shrinks. Each distinct `keep` compiles the
+  update once (jit's cache; the persistent cache across runs)."""
+  R = batch.logq.shape[1]
+  if keep >= R:
+    return batch
+  seq = ("inputs", "targets", "positions", "attn")  # [N, P + R - 1]; the rest is [N, R, ...]
+  cut = {}
+  for f in dataclasses.fields(batch):
+    x = getattr(batch, f.name)
+    if x is not None and f.name != "adv":
+      x = x[:, : prompt_len + keep - 1] if f.name in seq else x[:, :keep]
+    cut[f.name] = x
+  return Batch(**cut)
+
+
+def _response_stats(
+  model, batch, *, prompt_len, temperature, entropy=False, gather=False, group_size=1
+):
   """Log-probs of the response tokens ("logprobs" [N, R]; with gather, "gathered_logprobs" of
   batch.topk_ids [N, R, K]; with entropy, "entropy"). With batch.kept_ids (logprobs_mode "sampled")
   both log-probs are those of the policy renormalised over the behaviour's kept set
-  (`truncate_to_kept`); the entropy stays that of the full tempered distribution."""
-  hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn)
-  hidden = hidden[:, prompt_len - 1 :]
+  (`truncate_to_kept`); the entropy stays that of the full tempered distribution.
+  group_size > 1: the rows come in groups of that many sharing their prompt, and each prompt
+  runs through the model once (`Transformer.shared_prompt_hidden`)."""
+  if group_size > 1:
+    hidden = model.shared_prompt_hidden(
+      batch.inputs, batch.positions, batch.attn, prompt_len=prompt_len, group_size=group_size
+    )
+  else:
+    hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn)
+    hidden = hidden[:, prompt_len - 1 :]
   targets = batch.targets[:, prompt_len - 1 :]
   ids = []
   if gather:
@@ -247,13 +285,19 @@ def truncate_to_kept(logp, kept_logp, kept_ids, topk_logp=None, topk_ids=None):
   return out, jnp.where(in_set, topk_logp - log_mass[..., None], -jnp.inf)
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, *, prompt_len: int, temperature: float) -> Callable:
-  """jit(params, batch) -> float32 [N, R] log-probs of the response tokens under `params`."""
+def make_logprob_fn(
+  graphdef: nnx.GraphDef, *, prompt_len: int, temperature: float, group_size: int = 1
+) -> Callable:
+  """jit(params, batch) -> float32 [N, R] log-probs of the response tokens under `params`
+  (group_size > 1: rows in groups sharing their prompt, as UpdateSpec.group_size)."""
 
   @jax.jit
   def logprobs(params, batch):
     model = nnx.merge(graphdef, params)
-    return _response_stats(model, batch, prompt_len=prompt_len, temperature=temperature)["logprobs"]
+    stats = _response_stats(
+      model, batch, prompt_len=prompt_len, temperature=temperature, group_size=group_size
+    )
+    return stats["logprobs"]
 
   return logprobs
 
@@ -271,6 +315,10 @@ class UpdateSpec:
   # rollout.logprobs_mode "sampled" with truncation: the batch carries the behaviour's kept set
   # (kept_ids, this many ids per token) and the current policy is renormalised over it.
   kept_width: int = 0
+  # train.shuffle "groups": the batch's rows come in groups of this many responses to one prompt
+  # (consecutive rows); each epoch shuffles whole groups, every mini- and micro-batch holds whole
+  # groups, and each prompt runs through the model once per step. 1: rows are shuffled singly.
+  group_size: int = 1
 
   @property
   def use_topk(self) -> bool:
@@ -281,6 +329,14 @@ class UpdateSpec:
   def use_ref_logp(self) -> bool:
     """Whether the batch carries the reference policy's log-probs (ref_logp) for the KL penalty."""
     return self.loss.kl_coef > 0
+
+
+def epoch_permutation(key: jax.Array, num_rows: int, group_size: int = 1) -> jax.Array:
+  """The order of one epoch's rows: a random permutation of the groups (consecutive runs of
+  group_size rows), each group's rows kept together and in order. group_size 1 is
+  jax.random.permutation(key, num_rows)."""
+  groups = jax.random.permutation(key, num_rows // group_size)
+  return (groups[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
 
 
 def make_update_fn(
@@ -298,6 +354,7 @@ def make_update_fn(
       temperature=spec.temperature,
       entropy=loss_cfg.entropy_coef > 0,
       gather=spec.use_topk,
+      group_size=spec.group_size,
     )
     extra: dict[str, Any] = {}
     if spec.use_topk:
@@ -345,15 +402,15 @@ def make_update_fn(
     return (params, opt_state), metrics
 
   def update(state: TrainState, batch: Batch, rng: jax.Array):
-    n = batch.num_rows
-    if n % (spec.minibatches * spec.microbatches):
+    n, G = batch.num_rows, spec.group_size
+    if n % (spec.minibatches * spec.microbatches * G):
       raise ValueError(
         f"rollout batch of {n} sequences does not split into {spec.minibatches} mini-batches x "
-        f"{spec.microbatches} micro-batches"
+        f"{spec.microbatches} micro-batches" + (f" of whole groups of {G}" if G > 1 else "")
       )
 
     def epoch_step(carry, key):
-      perm = jax.random.permutation(key, n)
+      perm = epoch_permutation(key, n, G)
       shuffled = jax.tree.map(lambda x: split(x[perm], spec.minibatches), batch)
       return jax.lax.scan(minibatch_step, carry, shuffled)
 
