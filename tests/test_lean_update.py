@@ -232,7 +232,7 @@ def test_trimmed_update_equals_the_full_one(state, group_size):
     st = train_step.TrainState(params=state, opt_state=tx.init(state), step=jnp.int32(0))
     out[name] = update(st, jax.tree.map(jnp.asarray, b), jax.random.key(1))
   moved = lambda p: np.concatenate(
-    [np.ravel(a - b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(state))]
+    [np.ravel(a - b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(state), strict=True)]
   )
   step_full, step_cut = moved(out["full"][0].params), moved(out["cut"][0].params)
   assert np.abs(step_full).max() > 1e-3
