@@ -238,3 +238,23 @@ def test_trimmed_update_equals_the_full_one(state, group_size):
   assert np.abs(step_full).max() > 1e-3
   assert np.abs(step_cut - step_full).max() < 1e-3 * np.abs(step_full).max()
   chex.assert_trees_all_close(out["cut"][1], out["full"][1], atol=1e-5, rtol=1e-3)
+
+
+def test_trainer_warns_when_groups_do_not_split_over_the_devices(caplog):
+  from gppo_jax import sharding, train
+
+  c = config_lib.base()
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})  # the 8 simulated devices
+  spec = train_step.update_spec_from_config(c, 9, 8)
+  with caplog.at_level("WARNING", logger="gppo_jax"):
+    train._check_group_split(c, spec, mesh)  # 64 prompts / 4 mini-batches: 16 groups over 8
+  assert not caplog.records
+  c.rollout.prompts_per_iter = 12  # 3 groups per mini-batch
+  with caplog.at_level("WARNING", logger="gppo_jax"):
+    train._check_group_split(c, train_step.update_spec_from_config(c, 9, 8), mesh)
+  assert "3 groups, which do not split over the 8" in caplog.text
+  c.train.shuffle = "rows"  # rows split however they come: no warning
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="gppo_jax"):
+    train._check_group_split(c, train_step.update_spec_from_config(c, 9, 8), mesh)
+  assert not caplog.records
