@@ -322,7 +322,7 @@ class Transformer(nnx.Module):
     """
     N, L = tokens.shape
     G, P = group_size, prompt_len
-    if N % G or not 0 < P < L:
+    if N % G or not 0 < P <= L:
       raise ValueError(
         f"shared_prompt_hidden: {N} rows of {L} tokens do not make groups of {G} with a "
         f"{P}-token prompt"

@@ -177,7 +177,7 @@ def test_config_shuffle_field():
   config_lib.validate(c)  # 48 rows do split into 4 mini-batches of single rows
 
 
-def test_response_extent_and_trim():
+def test_response_extent_and_trim(state):
   b = _batch(groups=2, seed=3)  # one row has all R tokens
   assert train_step.response_extent(b, P) == R
   assert train_step.trim_responses(b, P, R) is b
@@ -202,6 +202,17 @@ def test_response_extent_and_trim():
     logq=np.zeros((short.num_rows, R)), adv=np.asarray(short.adv),
   )  # fmt: skip
   assert train_step.response_extent(tiny, P) == 1
+  # Cut to that one column, the inputs are the prompt alone: both forwards still give the hidden
+  # state that predicts the first token.
+  one_col = jax.tree.map(jnp.asarray, train_step.trim_responses(tiny, P, 1))
+  assert one_col.inputs.shape == (short.num_rows, P)
+  m = nnx.merge(_graphdef("dense"), state)
+  rows = m(one_col.inputs, one_col.positions, attn_mask=one_col.attn)[0][:, P - 1 :]
+  shared = m.shared_prompt_hidden(
+    one_col.inputs, one_col.positions, one_col.attn, prompt_len=P, group_size=G
+  )
+  assert shared.shape == rows.shape == (short.num_rows, 1, CFG.hidden_size)
+  chex.assert_trees_all_close(shared, rows, atol=2e-5)
 
 
 @pytest.mark.parametrize("group_size", [1, G])
