@@ -269,7 +269,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     extent = sharding.global_max(train_step.response_extent(batch, run.spec.prompt_len))
     keep = -(-extent // bucket) * bucket
     batch = train_step.trim_responses(batch, run.spec.prompt_len, keep)
-    metrics["rollout/update_columns"] = min(keep, batch.logq.shape[1])
+    metrics["rollout/update_columns"] = batch.logq.shape[1]
   t1 = time.perf_counter()
   if run.config.rollout.recompute_logprobs or run.ref_params is not None:
     if run.ref_params is not None:

@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -49,3 +51,25 @@ def _set_up_compilation_cache():
 
 
 _set_up_compilation_cache()
+
+
+@pytest.fixture(scope="module")
+def policy():
+  """The "tiny" architecture with Qwen3's extras (q/k biases, qk-norm) and random weights drawn on
+  the host (no init compile), every norm near 1 so that biases and norms are non-trivial too."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from gppo_jax import architectures, model
+
+  cfg = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(1)
+  draw = lambda x: jnp.asarray(0.15 * rng.standard_normal(x.shape), x.dtype)
+  state = jax.tree.map(draw, abstract)
+  for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+    state["layers"][name].set_value(state["layers"][name].get_value() + 1.0)
+  state["final_norm"].set_value(state["final_norm"].get_value() + 1.0)
+  return nnx.merge(graphdef, state)

@@ -23,29 +23,21 @@ G, P, R = 4, 6, 5  # group size, prompt slots, response slots
 
 
 @pytest.fixture(scope="module")
-def state():
-  """Random weights drawn on the host, norms around 1."""
-  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(CFG, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(1)
-  state = jax.tree.map(
-    lambda x: jnp.asarray(0.15 * rng.standard_normal(x.shape), x.dtype), abstract
-  )
-  for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
-    state["layers"][name].set_value(state["layers"][name].get_value() + 1.0)
-  state["final_norm"].set_value(state["final_norm"].get_value() + 1.0)
-  return state
+def state(policy):
+  """conftest's `policy` weights (this CFG)."""
+  return nnx.state(policy)
 
 
-def _batch(groups=3, seed=0) -> train_step.Batch:
+def _batch(groups=3, seed=0, longest=R) -> train_step.Batch:
   """Groups of G responses to one left-padded prompt (prompt lengths differ between groups),
-  responses of every length from 1 to R (right-padded)."""
+  responses of every length from 1 to `longest` (right-padded to R; the first row is that long)."""
   rng = np.random.default_rng(seed)
   n = groups * G
   prompt_len = rng.integers(1, P + 1, groups)
   prompt_mask = np.arange(P)[None] >= (P - prompt_len)[:, None]
   prompts = np.where(prompt_mask, rng.integers(3, CFG.vocab_size, (groups, P)), CFG.pad_token_id)
-  resp_len = rng.integers(1, R + 1, n)
-  resp_len[0] = R
+  resp_len = np.minimum(rng.integers(1, R + 1, n), longest)
+  resp_len[0] = longest
   resp_mask = np.arange(R)[None] < resp_len[:, None]
   resp = np.where(resp_mask, rng.integers(3, CFG.vocab_size, (n, R)), CFG.pad_token_id)
   return train_step.build_batch(
@@ -182,13 +174,7 @@ def test_response_extent_and_trim(state):
   assert train_step.response_extent(b, P) == R
   assert train_step.trim_responses(b, P, R) is b
   # Rows of at most 3 tokens: 3 columns hold real tokens; the cut keeps every real token.
-  short = _batch(groups=2, seed=3)
-  resp_mask = np.arange(R)[None] < np.minimum(np.asarray(short.mask).sum(1), 3)[:, None]
-  short = train_step.build_batch(
-    np.asarray(short.inputs)[:, :P], np.asarray(short.attn)[:, :P],
-    np.where(resp_mask, np.asarray(short.targets)[:, P - 1 :], 0), resp_mask,
-    logq=np.where(resp_mask, np.asarray(short.logq), 0.0), adv=np.asarray(short.adv),
-  )  # fmt: skip
+  short = _batch(groups=2, seed=3, longest=3)
   assert train_step.response_extent(short, P) == 3
   cut = train_step.trim_responses(short, P, 3)
   assert cut.inputs.shape == (short.num_rows, P + 2) and cut.logq.shape == (short.num_rows, 3)
@@ -218,13 +204,7 @@ def test_response_extent_and_trim(state):
 @pytest.mark.parametrize("group_size", [1, G])
 def test_trimmed_update_equals_the_full_one(state, group_size):
   """The same update on the batch and on its trimmed copy: parameters and every metric agree."""
-  full = _batch(groups=4, seed=4)
-  resp_mask = np.arange(R)[None] < np.minimum(np.asarray(full.mask).sum(1), 3)[:, None]
-  full = train_step.build_batch(
-    np.asarray(full.inputs)[:, :P], np.asarray(full.attn)[:, :P],
-    np.where(resp_mask, np.asarray(full.targets)[:, P - 1 :], 0), resp_mask,
-    logq=np.where(resp_mask, np.asarray(full.logq), 0.0), adv=np.asarray(full.adv),
-  )  # fmt: skip
+  full = _batch(groups=4, seed=4, longest=3)
   cut = train_step.trim_responses(full, P, train_step.response_extent(full, P))
   assert cut.logq.shape[1] == 3
   graphdef = _graphdef("dense")

@@ -14,17 +14,7 @@ from gppo_jax import architectures, errors, model, partitioning
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 
 
-@pytest.fixture(scope="module")
-def policy():
-  """Random weights drawn on the host (no init compile), norms and biases non-trivial too."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(CFG, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(1)
-  draw = lambda x: jnp.asarray(0.15 * rng.standard_normal(x.shape), x.dtype)
-  state = jax.tree.map(draw, abstract)
-  for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
-    state["layers"][name].set_value(state["layers"][name].get_value() + 1.0)
-  state["final_norm"].set_value(state["final_norm"].get_value() + 1.0)
-  return nnx.merge(graphdef, state)
+# `policy` (conftest.py): this CFG with random weights.
 
 
 def _batch(B=3, T=13, seed=0):
