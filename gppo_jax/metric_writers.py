@@ -31,6 +31,26 @@ PROGRESS_KEYS = (
 )
 
 
+def tensorboardx():
+  """The tensorboardX package, imported without torch.
+
+  tensorboardX imports torch when it is installed (to accept torch tensors, which we never pass):
+  3 s of every training command's start-up on a machine that has torch. While it loads, an
+  `import torch` fails as if torch were absent, and tensorboardX falls back to numpy; a torch
+  imported before or after is untouched."""
+  hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` -> ImportError
+  try:
+    import tensorboardX
+    import tensorboardX.proto.event_pb2
+    import tensorboardX.record_writer
+  finally:
+    if hide and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return tensorboardX
+
+
 def _scalar(v: Any) -> float | None:
   try:
     x = float(np.asarray(v))
@@ -70,12 +90,7 @@ class MetricWriter:
       truncate_jsonl(self.jsonl_path, resume_step)
       truncate_tensorboard(os.path.join(log_dir, "tensorboard"), resume_step)
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
-    try:
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard"))
-    except ImportError:  # pragma: no cover - tensorboardX is in requirements.txt
-      self._tb = None
+    self._tb = tensorboardx().SummaryWriter(os.path.join(log_dir, "tensorboard"))
     if progress:
       from tqdm.auto import tqdm
 
@@ -188,9 +203,8 @@ def _records(data: bytes):
 def truncate_tensorboard(log_dir: str, max_step: int) -> int:
   """Rewrites each event file under `log_dir` without events past `max_step`; returns the count
   dropped. TensorBoard would otherwise show both the crashed run's and the replayed values."""
-  from tensorboardX.proto import event_pb2
-  from tensorboardX.record_writer import masked_crc32c
-
+  tbx = tensorboardx()
+  event_pb2, masked_crc32c = tbx.proto.event_pb2, tbx.record_writer.masked_crc32c
   dropped = 0
   for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
     with open(path, "rb") as f:

@@ -278,3 +278,22 @@ def test_resume_truncation_drops_rows_and_events_past_the_step(tmp_path):
   data = open(glob.glob(str(tmp_path / "tensorboard" / "events.*"))[0], "rb").read()
   (length,) = struct.unpack_from("<Q", data, 0)
   assert 0 < length < len(data)
+
+
+def test_metric_writer_loads_tensorboardx_without_torch_and_torch_still_imports(tmp_path):
+  """tensorboardX would import an installed torch (seconds of every command's start-up)."""
+  pytest.importorskip("torch")
+  script = f"""
+import sys
+from gppo_jax import metric_writers
+w = metric_writers.MetricWriter({str(tmp_path)!r}, total_steps=3, resume_step=0, progress=False)
+w.write(1, {{"a": 1.0}})
+w.close()
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+import torch
+assert float(torch.ones(3).sum()) == 3.0
+"""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert [(t, s) for t, s in tb_events(str(tmp_path))] == [("a", 1)]
