@@ -87,7 +87,7 @@ del _name, _fn
 
 def register(name: str, fn: AdvantageFn | None = None, *, overwrite: bool = False):
   """Registers fn(rewards [num_groups, G], **kwargs) -> advantages [num_groups, G] under `name`
-  and returns fn; without fn, a decorator: `@advantages.register("name")`."""
+  and returns fn (written in jax.numpy: the trainer compiles it with jax.jit); without fn, a decorator: `@advantages.register("name")`."""
   if fn is None:
     return _REGISTRY.register(name, overwrite=overwrite)
   return _REGISTRY.register(name, fn, overwrite=overwrite)

@@ -141,9 +141,16 @@ def fill_rewards(groups: Groups) -> np.ndarray:
   return np.where(valid, rewards, np.nan_to_num(mean)).astype(np.float32)
 
 
+# The advantage estimators and the signal test, each one compiled program per batch shape: eager,
+# they are a dozen tiny XLA programs, each compiled on first use (~0.1 s apiece at every start-up)
+# and dispatched on its own every iteration.
+_signal_mask = jax.jit(advantages.signal_mask)
+_advantages = jax.jit(advantages.compute, static_argnums=0, static_argnames=("eps", "ddof"))
+
+
 def has_signal(groups: Groups) -> np.ndarray:
   """bool [n]: groups whose (filled) rewards are not all equal."""
-  return np.asarray(advantages.signal_mask(fill_rewards(groups)))
+  return np.asarray(_signal_mask(fill_rewards(groups)))
 
 
 def collect(
@@ -192,7 +199,7 @@ def collect(
   adv_kwargs = {}
   if a.name in ("grpo", "batch_std"):
     adv_kwargs = dict(eps=a.eps, ddof=a.ddof)
-  adv, adv_metrics = advantages.compute(a.name, rewards_g, **adv_kwargs)
+  adv, adv_metrics = jax.device_get(_advantages(a.name, rewards_g, **adv_kwargs))
   keep = batch_groups.valid.copy()
   if a.filter_zero_signal:
     keep &= np.repeat(kept_signal, batch_groups.group_size)

@@ -90,7 +90,7 @@ def warm_start(
       shutil.rmtree(path, ignore_errors=True)
 
   tx = optax.adam(ws_cfg.lr)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)  # one program, not one eager op per leaf shape
   step_fn = train_step.make_sft_step(graphdef, tx)
   rng = np.random.default_rng([seed, 7])
   eval_prompts = env.eval_prompts()[: ws_cfg.eval_size]
