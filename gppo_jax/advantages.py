@@ -87,7 +87,8 @@ del _name, _fn
 
 def register(name: str, fn: AdvantageFn | None = None, *, overwrite: bool = False):
   """Registers fn(rewards [num_groups, G], **kwargs) -> advantages [num_groups, G] under `name`
-  and returns fn (written in jax.numpy: the trainer compiles it with jax.jit); without fn, a decorator: `@advantages.register("name")`."""
+  and returns fn (written in jax.numpy: the trainer compiles it with jax.jit); without fn, a
+  decorator: `@advantages.register("name")`."""
   if fn is None:
     return _REGISTRY.register(name, overwrite=overwrite)
   return _REGISTRY.register(name, fn, overwrite=overwrite)
@@ -101,9 +102,10 @@ def get(name: str) -> AdvantageFn:
   return _REGISTRY.get(name)
 
 
-def compute(name: str, rewards: Array, **kwargs) -> tuple[Array, dict[str, Array]]:
-  """Advantages by registry name plus metrics (zero-signal group count and fraction)."""
-  adv = get(name)(rewards, **kwargs)
+def compute(name: str | AdvantageFn, rewards: Array, **kwargs) -> tuple[Array, dict[str, Array]]:
+  """Advantages by registry name (or the estimator itself) plus metrics (zero-signal group count
+  and fraction)."""
+  adv = (name if callable(name) else get(name))(rewards, **kwargs)
   zero = zero_signal_groups(rewards)
   return adv, {
     "adv/zero_signal_groups": zero,

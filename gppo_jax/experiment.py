@@ -242,8 +242,12 @@ def init_state(params, tx, mesh) -> tuple[Any, train_step.TrainState]:
   not fit on one device never lands on one."""
   state_sh = sharding.state_shardings(jax.eval_shape(lambda p: _fresh_state(p, tx), params), mesh)
   params = jax.device_put(params, state_sh.params)
-  init = jax.jit(lambda p: _fresh_state(p, tx), out_shardings=state_sh, donate_argnums=0)
-  return state_sh, init(params)
+  return state_sh, _jit_init(tx, state_sh)(params)
+
+
+@sharding.reuse
+def _jit_init(tx, state_sh) -> Any:
+  return jax.jit(lambda p: _fresh_state(p, tx), out_shardings=state_sh, donate_argnums=0)
 
 
 def abstract_state(params, tx, mesh) -> Any:

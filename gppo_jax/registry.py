@@ -21,6 +21,13 @@ from gppo_jax import errors
 
 T = TypeVar("T")
 _MISSING: Any = object()
+_generation = 0  # registrations so far, in every registry
+
+
+def generation() -> int:
+  """A counter that every registration (in any registry) advances: functions compiled while it
+  had one value may have looked up a name whose object has since been replaced."""
+  return _generation
 
 
 class Registry(Generic[T]):
@@ -41,7 +48,9 @@ class Registry(Generic[T]):
     self.check_free(name, overwrite=overwrite)
     if obj is _MISSING:
       return lambda fn: self.register(name, fn, overwrite=overwrite)
+    global _generation
     self._items[name] = obj
+    _generation += 1
     return obj
 
   def check_free(self, name: str, *, overwrite: bool = False) -> None:

@@ -143,7 +143,8 @@ def fill_rewards(groups: Groups) -> np.ndarray:
 
 # The advantage estimators and the signal test, each one compiled program per batch shape: eager,
 # they are a dozen tiny XLA programs, each compiled on first use (~0.1 s apiece at every start-up)
-# and dispatched on its own every iteration.
+# and dispatched on its own every iteration. The estimator is passed as the function itself, so a
+# name registered again (overwrite=True) compiles the new one.
 _signal_mask = jax.jit(advantages.signal_mask)
 _advantages = jax.jit(advantages.compute, static_argnums=0, static_argnames=("eps", "ddof"))
 
@@ -199,7 +200,7 @@ def collect(
   adv_kwargs = {}
   if a.name in ("grpo", "batch_std"):
     adv_kwargs = dict(eps=a.eps, ddof=a.ddof)
-  adv, adv_metrics = jax.device_get(_advantages(a.name, rewards_g, **adv_kwargs))
+  adv, adv_metrics = jax.device_get(_advantages(advantages.get(a.name), rewards_g, **adv_kwargs))
   keep = batch_groups.valid.copy()
   if a.filter_zero_signal:
     keep &= np.repeat(kept_signal, batch_groups.group_size)

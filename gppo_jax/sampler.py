@@ -577,6 +577,7 @@ class MeshSampler:
     return sharding.to_host(fn(params, dev["t"], dev["m"], rng))
 
 
+@sharding.reuse
 def jit_sampler(
   graphdef: nnx.GraphDef,
   sampling: SamplingParams,
@@ -588,7 +589,8 @@ def jit_sampler(
   """jit(params, prompt_tokens, prompt_mask, rng) -> SampleOutput with every array split over
   data x fsdp along the batch axis (the KV cache follows). Nothing is donated: the parameters are
   reused by the update, and no output has an input's shape. group_size: as in `sample`; keep
-  batch_size / group_size a multiple of the batch shards so that groups stay on one shard."""
+  batch_size / group_size a multiple of the batch shards so that groups stay on one shard.
+  Equal arguments return the same function (`sharding.reuse`)."""
   mesh = jax.tree.leaves(param_shardings)[0].mesh
   rows = NamedSharding(mesh, partitioning.batch_spec((batch_size,), mesh))  # a prefix: any rank
   rep = sharding.replicated(mesh)

@@ -18,9 +18,12 @@ shuffle, a gather). Sampling on the mesh is `sampler.MeshSampler`, built on the 
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gppo_jax import partitioning
+from gppo_jax import partitioning, registry
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +215,53 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 
 
 # --- Jitted, sharded entry points --------------------------------------------------------------
+
+
+def _key(x: Any) -> Any:
+  """A hashable stand-in for an argument: itself, or its pytree structure and (hashable) leaves,
+  e.g. for a pytree of shardings."""
+  try:
+    hash(x)
+    return x
+  except TypeError:
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef, tuple(leaves)
+
+
+def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
+  """Decorator for functions that build jitted functions: equal arguments (compared by value,
+  pytrees of shardings by structure and leaves) return the function built the first time, so its
+  traces and compiled programs serve again. A second run of the same shapes in one process (the
+  next seed of a notebook's loop, the tests) then neither traces, lowers nor compiles. Arguments
+  must determine what is built (graph definitions, frozen specs, shardings; an optimizer from
+  `train_step.make_optimizer`, which reuses equal ones). Registering a divergence, estimator,
+  advantage or preset starts afresh (a name may now mean another function). The `maxsize` most
+  recent are kept."""
+  if builder is None:
+    return functools.partial(reuse, maxsize=maxsize)
+  built: collections.OrderedDict[Any, Callable] = collections.OrderedDict()
+  lock = threading.Lock()
+
+  @functools.wraps(builder)
+  def wrapper(*args, **kwargs):
+    key = (
+      registry.generation(),
+      tuple(_key(a) for a in args),
+      tuple(sorted((k, _key(v)) for k, v in kwargs.items())),
+    )
+    with lock:
+      if key in built:
+        built.move_to_end(key)
+        return built[key]
+    fn = builder(*args, **kwargs)
+    with lock:
+      built[key] = fn
+      while len(built) > maxsize:
+        built.popitem(last=False)
+    return fn
+
+  wrapper.cache_clear = built.clear  # type: ignore[attr-defined]
+  return wrapper
 
 
 def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any) -> Callable:

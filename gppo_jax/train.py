@@ -188,10 +188,7 @@ def _set_up(
     sampling.num_topk,
   )  # fmt: skip
   batch_sh = sharding.batch_shardings(batch, mesh)
-  update = sharding.jit_update(train_step.make_update_fn(graphdef, tx, spec), state_sh, batch_sh)
-  logprob_fn = train_step.make_logprob_fn(
-    graphdef, prompt_len=spec.prompt_len, temperature=spec.temperature, group_size=spec.group_size
-  )
+  update = _jit_update(graphdef, tx, spec, state_sh, batch_sh)
   _check_group_split(config, spec, mesh)
   run = Run(
     config=config,
@@ -204,7 +201,7 @@ def _set_up(
     spec=spec,
     sample_fn=sampler.MeshSampler(graphdef, state_sh.params),
     update=update,
-    logprobs=sharding.jit_logprobs(logprob_fn, state_sh.params, batch_sh),
+    logprobs=_jit_logprobs(graphdef, spec, state_sh.params, batch_sh),
     state_sh=state_sh,
     # A copy: the update donates the state's buffers.
     ref_params=jax.tree.map(jnp.copy, state.params) if spec.use_ref_logp else None,
@@ -215,6 +212,20 @@ def _set_up(
   if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
     run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
   return run, state
+
+
+# The compiled functions of a run, reused by the next run of the same shapes in this process.
+@sharding.reuse
+def _jit_update(graphdef, tx, spec: train_step.UpdateSpec, state_sh, batch_sh) -> Callable:
+  return sharding.jit_update(train_step.make_update_fn(graphdef, tx, spec), state_sh, batch_sh)
+
+
+@sharding.reuse
+def _jit_logprobs(graphdef, spec: train_step.UpdateSpec, params_sh, batch_sh) -> Callable:
+  logprob_fn = train_step.make_logprob_fn(
+    graphdef, prompt_len=spec.prompt_len, temperature=spec.temperature, group_size=spec.group_size
+  )
+  return sharding.jit_logprobs(logprob_fn, params_sh, batch_sh)
 
 
 def _check_group_split(config, spec: train_step.UpdateSpec, mesh) -> None:
@@ -230,11 +241,14 @@ def _check_group_split(config, spec: train_step.UpdateSpec, mesh) -> None:
     )  # fmt: skip
 
 
+_make_diagnostics_fn = sharding.reuse(diagnostics.make_diagnostics_fn)
+
+
 def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable | None:
   d = config.diagnostics
   if not d.every:
     return None
-  return diagnostics.make_diagnostics_fn(
+  return _make_diagnostics_fn(
     graphdef,
     prompt_len=spec.prompt_len,
     temperature=spec.temperature,

@@ -8,6 +8,7 @@ sum of `microbatches` gradient pieces, exact for every aggregation) over a rollo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,7 @@ class TrainState:
   step: jax.Array  # int32: optimizer steps taken
 
 
+@functools.lru_cache(maxsize=32)  # equal settings, the same object: compiled updates are reused
 def make_optimizer(
   *,
   lr: float,

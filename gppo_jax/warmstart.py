@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gppo_jax import checkpointing, policy_eval, train_step
+from gppo_jax import checkpointing, policy_eval, sharding, train_step
 from gppo_jax.envs import BuiltinEnv
 
 CACHE_VERSION = 1
@@ -68,6 +68,14 @@ def supervised_batch(env: BuiltinEnv, rng: np.random.Generator, n: int) -> dict[
   }
 
 
+@sharding.reuse
+def _sft(graphdef, lr: float):
+  """Adam, its init as one program (not one eager op per leaf shape) and the supervised step;
+  the same functions for the next warm start of this shape in the process."""
+  tx = optax.adam(lr)
+  return tx, jax.jit(tx.init), train_step.make_sft_step(graphdef, tx)
+
+
 def warm_start(
   graphdef: nnx.GraphDef, params, env: BuiltinEnv, model_cfg, ws_cfg, *, seed: int, log=print
 ):
@@ -89,9 +97,8 @@ def warm_start(
       logging.warning("warm-start cache %s unreadable (%s); retraining", path, e)
       shutil.rmtree(path, ignore_errors=True)
 
-  tx = optax.adam(ws_cfg.lr)
-  opt_state = jax.jit(tx.init)(params)  # one program, not one eager op per leaf shape
-  step_fn = train_step.make_sft_step(graphdef, tx)
+  tx, init, step_fn = _sft(graphdef, ws_cfg.lr)
+  opt_state = init(params)
   rng = np.random.default_rng([seed, 7])
   eval_prompts = env.eval_prompts()[: ws_cfg.eval_size]
 

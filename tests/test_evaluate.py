@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import conftest
 import jax
 import pytest
 
@@ -44,7 +45,7 @@ def test_a_wrong_workdir_or_checkpoint_is_reported_before_any_work(tmp_path, mon
 
 
 def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = conftest.one_device_env()
   env["JAX_PLATFORMS"] = "cpu"
   p = subprocess.run(
     [
@@ -164,7 +165,7 @@ def test_evaluating_a_hugging_face_folder_needs_no_training_data_or_run(tmp_path
   ]
   for name, part in (("a", rows[:2]), ("b", rows[2:])):
     (tmp_path / "inputs" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = conftest.one_device_env()
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   inputs = tmp_path / "inputs"
   p = subprocess.run(

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import conftest
 import numpy as np
 import pytest
 
@@ -40,7 +41,10 @@ def _env(devices: int, **extra) -> dict:
     for k, v in os.environ.items()
     if k.startswith(cache) or not k.startswith(("JAX_", "GPPO_"))
   }
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env.update(
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {conftest.COMPILE_FLAGS}",
+  )
   env.update(extra)
   return env
 

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 
+import conftest
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -36,9 +37,8 @@ OVERRIDES = [
 
 
 def run_child(workdir, plan=(), timeout=300):
-  env = {
-    k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GPPO_TEST_SIGNALS")
-  }  # one CPU device: the child is an ordinary single-device run
+  env = conftest.one_device_env()  # the child is an ordinary single-device run
+  env.pop("GPPO_TEST_SIGNALS", None)
   env.update(JAX_PLATFORMS="cpu", GPPO_TEST_SIGNALS=json.dumps(list(plan)))
   cmd = [
     sys.executable,
@@ -134,7 +134,7 @@ def test_signals_at_every_moment_resume_to_the_uninterrupted_run(tmp_path):
 def test_signal_during_set_up_exits_cleanly(tmp_path):
   """Before the first iteration there is nothing to save: exit 0 at once, no checkpoint."""
   wd = str(tmp_path / "run")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = conftest.one_device_env()
   env["JAX_PLATFORMS"] = "cpu"
   code = (
     "import os, signal, sys\n"
@@ -294,6 +294,8 @@ import torch
 assert float(torch.ones(3).sum()) == 3.0
 """
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO)
+  p = subprocess.run(
+    [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO
+  )
   assert p.returncode == 0, p.stderr[-3000:]
   assert [(t, s) for t, s in tb_events(str(tmp_path))] == [("a", 1)]

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 
+import conftest
 import numpy as np
 import pytest
 
@@ -102,7 +103,7 @@ def make_code_hf_folder(path):
 
 def run(module, *args, cwd, timeout=600):
   """`python -m gppo_jax.<module> ARGS` in `cwd`, as a user runs it (one CPU device)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = conftest.one_device_env()
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   # JAX's persistent compilation cache, shared by the commands of one test: the evaluation
   # reuses the samplers the trainer's evaluations compiled.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import chex
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,7 +344,7 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
     plan.parse_mesh("fsdp:8")
 
   # The CLI in a fresh process simulates the 4 devices it needs (no XLA_FLAGS given).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = conftest.one_device_env()
   cmd = [sys.executable, "-m", "gppo_jax.plan", f"--config={path}", "--mesh=fsdp=2,tensor=2"]
   out = subprocess.run(
     cmd + ["--analytic", "--platform=v5e"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -450,3 +451,34 @@ def test_launch_scripts_parse_and_drive_gcloud(tmp_path):
   assert "--worker=all" in run and "GPPO_DISTRIBUTED=1" in run
   assert "--config='configs/qwen25_math_7b.py:v5p64'" in run and "--config.iterations=3" in run
   assert lines[-1].startswith("compute tpus queued-resources delete t1-qr")
+
+
+def test_reuse_returns_the_same_built_function_for_equal_arguments_only():
+  from gppo_jax import registry
+
+  built = []
+
+  @sharding.reuse(maxsize=2)
+  def build(spec, shardings, *, scale=1.0):
+    built.append((spec, scale))
+    return lambda x: x * scale
+
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as Spec
+
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  rows = lambda: {"w": NamedSharding(mesh, Spec("data")), "b": [NamedSharding(mesh, Spec())]}
+  f = build(("kl", 0.1), rows())
+  assert build(("kl", 0.1), rows()) is f and len(built) == 1  # equal, not identical, shardings
+  other = {"w": NamedSharding(mesh, Spec("fsdp")), "b": [NamedSharding(mesh, Spec())]}
+  assert build(("kl", 0.1), other) is not f
+  assert build(("kl", 0.2), rows()) is not f and build(("kl", 0.1), rows(), scale=2.0)(3) == 6
+  assert len(built) == 4
+  # Only the `maxsize` most recent stay; a registration (a name may now mean another function)
+  # starts afresh.
+  g = build(("kl", 0.1), rows(), scale=2.0)
+  assert len(built) == 4
+  assert build(("kl", 0.1), rows()) is not f and len(built) == 5
+  reg = registry.Registry("thing")
+  reg.register("x", 1)
+  assert build(("kl", 0.1), rows(), scale=2.0) is not g and len(built) == 6

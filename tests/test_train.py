@@ -218,6 +218,38 @@ def smoke_config(tmp_path, **loss):
   return c
 
 
+def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, monkeypatch):
+  """A second run of the same shapes and settings (another seed) reuses the first one's update
+  and samplers (no trace, no compile); a different loss or optimizer schedule builds its own."""
+  got = []
+  spy = lambda *a, real=train._jit_update, **k: got.append(real(*a, **k)) or got[-1]
+  monkeypatch.setattr(train, "_jit_update", spy)
+  traced = []
+  real_sample = train.sampler.sample
+  monkeypatch.setattr(
+    train.sampler, "sample", lambda *a, **k: traced.append(1) or real_sample(*a, **k)
+  )
+
+  def run(name, **changes):
+    c = smoke_config(tmp_path)
+    c.iterations, c.eval.every = 1, 1
+    for k, v in changes.items():
+      section, field = k.split(".")
+      c[section][field] = v
+    train.train_and_evaluate(c, str(tmp_path / name))
+
+  run("a")
+  before = len(traced)
+  run("b", **{"warmstart.max_steps": 20})  # another warm start: same shapes, same settings
+  assert got[1] is got[0] and len(traced) == before  # the sampler was not traced again
+  run("c", **{"loss.delta_low": 0.05})
+  assert got[2] is not got[0]
+  # The optimizer is part of the key: equal settings give the same object, a schedule over
+  # another number of steps a new one.
+  make = lambda steps: train_step.make_optimizer(lr=1e-3, total_steps=steps, schedule="cosine")
+  assert make(10) is make(10) and make(10) is not make(20)
+
+
 def test_smoke_run_checkpoints_and_resumes(tmp_path):
   c = smoke_config(tmp_path)
   c.diagnostics.every = 2
