@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import conftest
 import numpy as np
 import pytest
 
@@ -509,7 +510,7 @@ def test_a_real_tiny_sweep_runs_reports_and_resumes(tmp_path):
   """2 cells x 2 seeds, 2 iterations each, 2 at a time (about 30 s on an idle 2-core machine)."""
   cmd = [sys.executable, "-m", "gppo_jax.sweep", "--cells", "kl_atomic,none", "--seeds", "0,1"]
   cmd += ["--jobs", "2", "--out", str(tmp_path)] + [x for o in TINY for x in ("--set", o)]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per run
+  env = conftest.one_device_env()  # one CPU device per run
   p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stdout + p.stderr
   assert sum(line.startswith("[") for line in p.stdout.splitlines()) == 4  # one line per run
