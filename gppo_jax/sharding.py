@@ -260,7 +260,6 @@ def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
         built.popitem(last=False)
     return fn
 
-  wrapper.cache_clear = built.clear  # type: ignore[attr-defined]
   return wrapper
 
 

@@ -454,6 +454,9 @@ def test_launch_scripts_parse_and_drive_gcloud(tmp_path):
 
 
 def test_reuse_returns_the_same_built_function_for_equal_arguments_only():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as Spec
+
   from gppo_jax import registry
 
   built = []
@@ -462,9 +465,6 @@ def test_reuse_returns_the_same_built_function_for_equal_arguments_only():
   def build(spec, shardings, *, scale=1.0):
     built.append((spec, scale))
     return lambda x: x * scale
-
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as Spec
 
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   rows = lambda: {"w": NamedSharding(mesh, Spec("data")), "b": [NamedSharding(mesh, Spec())]}

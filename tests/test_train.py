@@ -219,8 +219,9 @@ def smoke_config(tmp_path, **loss):
 
 
 def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, monkeypatch):
-  """A second run of the same shapes and settings (another seed) reuses the first one's update
-  and samplers (no trace, no compile); a different loss or optimizer schedule builds its own."""
+  """A second run of the same shapes and update settings (here a longer warm start) reuses the
+  first one's update and samplers (no trace, no compile); a different loss builds its own, and
+  so does a different optimizer schedule (make_optimizer returns another object)."""
   got = []
   spy = lambda *a, real=train._jit_update, **k: got.append(real(*a, **k)) or got[-1]
   monkeypatch.setattr(train, "_jit_update", spy)
