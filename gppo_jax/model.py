@@ -138,14 +138,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+  """x [..., *in] @ w [*in, *out] over the `contract` trailing axes of x, as one 2-D matmul.
+
+  Flattening the token axes first (x as [tokens, in]) gives XLA plain matrix products in the
+  forward and the backward: the same contraction written as a batched einsum
+  ("btd,df->btf") makes XLA's CPU backend transpose the activation gradient of every weight
+  gradient (on the tiny Qwen2 shape a 16% copy; an MLP's gradient 2x faster flattened)."""
+  lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+  out = w.shape[contract:]
+  y = x.reshape(math.prod(lead), math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(out))
+  return y.reshape(*lead, *out)
+
+
 def _layer(cfg, p, x, positions, inv_freq, attend):
   """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,dhe->bthe", h, w["wq"])
-  k = jnp.einsum("btd,dhe->bthe", h, w["wk"])
-  v = jnp.einsum("btd,dhe->bthe", h, w["wv"])
+  q = project(h, w["wq"])
+  k = project(h, w["wk"])
+  v = project(h, w["wv"])
   if cfg.attention_bias:
     q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
   if cfg.qk_norm:
@@ -154,11 +167,11 @@ def _layer(cfg, p, x, positions, inv_freq, attend):
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
   attn = attend(q, k, v)
-  x = x + jnp.einsum("bthe,hed->btd", attn, w["wo"])
+  x = x + project(attn, w["wo"], contract=2)
   h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, w["w_gate"])
-  up = jnp.einsum("btd,df->btf", h, w["w_up"])
-  return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["w_down"])
+  gate = project(h, w["w_gate"])
+  up = project(h, w["w_up"])
+  return x + project(jax.nn.silu(gate) * up, w["w_down"])
 
 
 class Transformer(nnx.Module):
