@@ -39,6 +39,29 @@ def _naive(m, hidden, targets, temperature):
   return logp, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
 
+@pytest.mark.parametrize(
+  "x_shape, w_shape, contract, spec",
+  [
+    ((2, 3, 5), (5, 7), 1, "btd,df->btf"),  # MLP
+    ((2, 3, 5), (5, 4, 6), 1, "btd,dhe->bthe"),  # q/k/v heads
+    ((2, 3, 4, 6), (4, 6, 5), 2, "bthe,hed->btd"),  # output projection
+    ((3, 5), (5, 7), 1, "bd,df->bf"),  # a decode step's single token
+  ],
+)
+def test_project_equals_the_einsum_in_values_and_gradients(x_shape, w_shape, contract, spec):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+  got = model.project(x, w, contract)
+  want = jnp.einsum(spec, x, w)
+  chex.assert_shape(got, want.shape)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  cot = jax.random.normal(jax.random.key(1), want.shape)
+  g_got = jax.grad(lambda x, w: jnp.sum(model.project(x, w, contract) * cot), (0, 1))(x, w)
+  g_want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * cot), (0, 1))(x, w)
+  for a, b in zip(g_got, g_want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("chunk_size", [5, 64])  # padded multi-chunk; one capped chunk
 def test_chunked_stats_equal_naive(policy, chunk_size):
   tokens, mask, positions, targets = _batch()
