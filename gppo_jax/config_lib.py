@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 from collections.abc import Mapping
 
 import ml_collections
@@ -34,6 +35,18 @@ REQUIRED = {
 
 # train.shuffle: how each epoch cuts the rollout batch into mini-batches (train_step.UpdateSpec).
 SHUFFLES = ("groups", "rows")
+# Where warm starts are cached unless a config says otherwise: $GPPO_WARMSTART_CACHE (a folder, or
+# "off" for no cache), else this. A machine's setting, like $GPPO_XLA_CACHE for compiled programs.
+WARMSTART_CACHE_DEFAULT = "~/.cache/gppo_jax/warmstart"
+
+
+def warmstart_cache_dir() -> str:
+  """The default `warmstart.cache_dir` on this machine ("" = no cache)."""
+  choice = os.environ.get("GPPO_WARMSTART_CACHE", "")
+  if choice == "off":
+    return ""
+  return choice or WARMSTART_CACHE_DEFAULT
+
 
 # Config-file arguments: name -> whether it takes a value (`task=NAME`) or is a switch (`smoke`).
 BASE_ARGS: dict[str, bool] = {"smoke": False, "task": True}
@@ -126,7 +139,7 @@ def base(
   c.warmstart.eval_size = 256
   c.warmstart.batch_size = 128
   c.warmstart.lr = 3e-3
-  c.warmstart.cache_dir = "~/.cache/gppo_jax/warmstart"
+  c.warmstart.cache_dir = warmstart_cache_dir()
   # Seed of the initial policy (init + warm start); None = the run's seed.
   c.warmstart.seed = ml_collections.config_dict.placeholder(int)
 
@@ -255,7 +268,6 @@ def base(
     c.warmstart.eval_every = 10
     c.warmstart.eval_size = 64
     c.warmstart.batch_size = 64
-    c.warmstart.cache_dir = ""  # no cache: smoke runs are self-contained
     c.eval.every = 2
     c.eval.num_problems = 32
     c.eval.k = (2,)

@@ -44,6 +44,9 @@ def _env(devices: int, **extra) -> dict:
   env.update(
     JAX_PLATFORMS="cpu",
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {conftest.COMPILE_FLAGS}",
+    # Each process trains the warm start itself: processes that could find the session's cache
+    # entry at different moments (one loads it, the other trains) would diverge.
+    GPPO_WARMSTART_CACHE="off",
   )
   env.update(extra)
   return env

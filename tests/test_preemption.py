@@ -201,7 +201,9 @@ def test_a_second_trainer_on_a_workdir_is_refused_and_a_stale_lock_is_taken_over
 
 def test_a_non_finite_update_is_never_saved(tmp_path, monkeypatch):
   """Parameters made NaN by an iteration's update: the run stops before saving that iteration."""
-  real = train.sharding.jit_update
+  # Wraps the run's update as the trainer gets it: one built by an earlier run of the same
+  # settings in this process (sharding.reuse) is poisoned too.
+  real = train._jit_update
   calls = []
 
   def poisoned(*args, **kwargs):
@@ -217,7 +219,7 @@ def test_a_non_finite_update_is_never_saved(tmp_path, monkeypatch):
 
     return wrapped
 
-  monkeypatch.setattr(train.sharding, "jit_update", poisoned)
+  monkeypatch.setattr(train, "_jit_update", poisoned)
   wd = str(tmp_path / "run")
   with pytest.raises(train.NonFiniteError, match="non-finite parameters after iteration 2") as e:
     train.train_and_evaluate(_config(3), wd)

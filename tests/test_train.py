@@ -473,6 +473,29 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # retrained, same seed
 
 
+def test_warm_start_cache_folder_is_a_machine_setting(tmp_path, monkeypatch):
+  """GPPO_WARMSTART_CACHE moves every config's default warm-start cache (smoke runs' too) or turns
+  it off; without it the cache is ~/.cache/gppo_jax/warmstart; a config field set by the user
+  wins over the variable."""
+  monkeypatch.setenv("GPPO_WARMSTART_CACHE", str(tmp_path / "ws"))
+  for arg in (None, "smoke", "smoke,task=add1"):
+    assert load_config("kl_atomic.py", arg).warmstart.cache_dir == str(tmp_path / "ws")
+  monkeypatch.setenv("GPPO_WARMSTART_CACHE", "off")
+  assert load_config("tv_mc.py", "smoke").warmstart.cache_dir == ""
+  monkeypatch.delenv("GPPO_WARMSTART_CACHE")
+  assert load_config("tv_mc.py").warmstart.cache_dir == "~/.cache/gppo_jax/warmstart"
+  # A run loads what an earlier run of the same settings cached there (the smoke run's short
+  # warm start is trained once per machine, not once per run).
+  monkeypatch.setenv("GPPO_WARMSTART_CACHE", str(tmp_path / "ws"))
+  c = load_config("kl_atomic.py", "smoke,task=add1")
+  c.warmstart.max_steps = c.warmstart.eval_every = 3
+  logs = []
+  for _ in range(2):
+    experiment.build_policy(c, logs.append)
+  assert sum("cached at " + str(tmp_path / "ws") in x for x in logs) == 1
+  assert sum("loaded cached policy" in x for x in logs) == 1
+
+
 def _cache_probe(tmp_path, **env_extra):
   """(folder use_compilation_cache returned, files in tmp_path/xla) in a fresh process that
   compiles one program after the call, with the session's cache variables removed."""
