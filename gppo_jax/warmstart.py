@@ -76,6 +76,11 @@ def _sft(graphdef, lr: float):
   return tx, jax.jit(tx.init), train_step.make_sft_step(graphdef, tx)
 
 
+def _everywhere(flag: bool) -> bool:
+  """Whether `flag` holds on every process of the run (the flag itself on one process)."""
+  return sharding.global_max(0 if flag else 1) == 0
+
+
 def warm_start(
   graphdef: nnx.GraphDef, params, env: BuiltinEnv, model_cfg, ws_cfg, *, seed: int, log=print
 ):
@@ -83,19 +88,26 @@ def warm_start(
   cache_dir = os.path.expanduser(ws_cfg.cache_dir) if ws_cfg.cache_dir else ""
   path = os.path.join(cache_dir, _cache_key(env, model_cfg, ws_cfg, seed)) if cache_dir else ""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  if path and os.path.isdir(path):
+  # The processes of a multi-host run use the cached entry only if every one of them has it and
+  # reads it: one loading while another trains would run other collectives and hang (hosts keep
+  # their own ~/.cache, and a host that ran alone before has an entry the others lack).
+  if _everywhere(bool(path) and os.path.isdir(path)):
+    restored, info = None, None
     try:
       mngr = checkpointing.make_manager(path, max_to_keep=1)
       _, restored, info = checkpointing.restore_latest(mngr, abstract)
-      if restored is not None:
-        log(
-          f"warm start: loaded cached policy from {path} (held-out accuracy "
-          f"{info['accuracy']:.3f} after {info['steps']} supervised steps)"
-        )
-        return restored, info
     except Exception as e:  # A broken cache entry is rebuilt, never trusted.
       logging.warning("warm-start cache %s unreadable (%s); retraining", path, e)
+    if restored is None:  # broken, or no complete save in it (a killed run's): rebuilt
       shutil.rmtree(path, ignore_errors=True)
+    if _everywhere(restored is not None):
+      log(
+        f"warm start: loaded cached policy from {path} (held-out accuracy "
+        f"{info['accuracy']:.3f} after {info['steps']} supervised steps)"
+      )
+      return restored, info
+    if restored is not None:
+      log(f"warm start: the cache entry {path} is not readable on every process; retraining")
 
   tx, init, step_fn = _sft(graphdef, ws_cfg.lr)
   opt_state = init(params)
@@ -124,11 +136,21 @@ def warm_start(
     "seconds": time.time() - t0,
     "loss": float(loss),
   }
-  if path:
-    try:
-      mngr = checkpointing.make_manager(path, max_to_keep=1)
-      checkpointing.save(mngr, steps, params, info, wait=True)
-      log(f"warm start: cached at {path}")
-    except Exception as e:  # e.g. a parallel run cached the same entry first: train on regardless
-      logging.warning("warm start: not cached at %s (%s); continuing with this policy", path, e)
+  if not path:
+    return params, info
+  # Saved only where no process holds the entry (a save into a folder that some processes already
+  # hold would not take the same collective steps on all of them).
+  if not _everywhere(not os.path.isdir(path)):
+    logging.warning(
+      "warm start: not cached at %s (an entry appeared there during training, or another "
+      "process holds one); continuing with this policy",
+      path,
+    )
+    return params, info
+  try:
+    mngr = checkpointing.make_manager(path, max_to_keep=1)
+    checkpointing.save(mngr, steps, params, info, wait=True)
+    log(f"warm start: cached at {path}")
+  except Exception as e:  # e.g. a parallel run cached the same entry first: train on regardless
+    logging.warning("warm start: not cached at %s (%s); continuing with this policy", path, e)
   return params, info

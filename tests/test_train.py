@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -465,10 +466,42 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   assert any("cached at" in x for x in logs) and info4["steps"] == 6
   run(0)
   assert any("loaded cached policy" in x for x in logs)
-  # A parallel run cached the same entry while this one trained: logged, training goes on.
-  monkeypatch.setattr(warmstart.checkpointing, "restore_latest", lambda *a: (None, None, None))
+  # A parallel run caches the same entry while this one trains: logged, training goes on, and
+  # the entry the other run wrote stays.
+  entry_dir = os.path.join(c.warmstart.cache_dir, entry)
+  shutil.copytree(entry_dir, tmp_path / "theirs")
+  shutil.rmtree(entry_dir)
+  real_sft = warmstart._sft
+
+  def racing_sft(*args):
+    tx, init, step = real_sft(*args)
+
+    def step_while_another_run_saves(*a):
+      if not os.path.isdir(entry_dir):
+        shutil.copytree(tmp_path / "theirs", entry_dir)
+      return step(*a)
+
+    return tx, init, step_while_another_run_saves
+
+  monkeypatch.setattr(warmstart, "_sft", racing_sft)
   _, info5 = run(0)
   assert info5["steps"] == 6 and not any("cached at" in x for x in logs)
+  monkeypatch.undo()
+  run(0)
+  assert any("loaded cached policy" in x for x in logs)
+  # An entry without a complete save (a run killed while caching) is replaced, not kept forever.
+  shutil.rmtree(entry_dir)
+  os.makedirs(os.path.join(entry_dir, "6.orbax-checkpoint-tmp-1"))
+  run(0)
+  assert any("cached at" in x for x in logs)
+  run(0)
+  assert any("loaded cached policy" in x for x in logs)
+  # Another process of a multi-host run lacks the entry (its host has its own cache): all train
+  # alike (one loading while another trains would hang in collectives); nothing is written.
+  monkeypatch.setattr(warmstart.sharding, "global_max", lambda value: 1)
+  _, info6 = run(0)
+  assert info6["steps"] == 6 and not any("cached" in x for x in logs)
+  assert os.listdir(entry_dir) == ["6"]
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # retrained, same seed
 
