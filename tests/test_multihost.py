@@ -44,8 +44,9 @@ def _env(devices: int, **extra) -> dict:
   env.update(
     JAX_PLATFORMS="cpu",
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {conftest.COMPILE_FLAGS}",
-    # Each process trains the warm start itself: processes that could find the session's cache
-    # entry at different moments (one loads it, the other trains) would diverge.
+    # No warm-start cache: the pair and the one-process reference run at once and would race to
+    # write the same entry (a save failing on one process of the pair mid-collective would hang
+    # the other). warmstart's agreement across processes is tested in test_train.
     GPPO_WARMSTART_CACHE="off",
   )
   env.update(extra)
