@@ -508,8 +508,7 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
 
 def test_warm_start_cache_folder_is_a_machine_setting(tmp_path, monkeypatch):
   """GPPO_WARMSTART_CACHE moves every config's default warm-start cache (smoke runs' too) or turns
-  it off; without it the cache is ~/.cache/gppo_jax/warmstart; a config field set by the user
-  wins over the variable."""
+  it off; without it the cache is ~/.cache/gppo_jax/warmstart."""
   monkeypatch.setenv("GPPO_WARMSTART_CACHE", str(tmp_path / "ws"))
   for arg in (None, "smoke", "smoke,task=add1"):
     assert load_config("kl_atomic.py", arg).warmstart.cache_dir == str(tmp_path / "ws")
