@@ -35,17 +35,17 @@ REQUIRED = {
 
 # train.shuffle: how each epoch cuts the rollout batch into mini-batches (train_step.UpdateSpec).
 SHUFFLES = ("groups", "rows")
-# Where warm starts are cached unless a config says otherwise: $GPPO_WARMSTART_CACHE (a folder, or
-# "off" for no cache), else this. A machine's setting, like $GPPO_XLA_CACHE for compiled programs.
+# Where warm starts are cached unless a config says otherwise: $GPPO_WARMSTART_CACHE, else this.
+# A machine's setting, like $GPPO_XLA_CACHE for compiled programs.
+WARMSTART_CACHE_ENV = "GPPO_WARMSTART_CACHE"
 WARMSTART_CACHE_DEFAULT = "~/.cache/gppo_jax/warmstart"
 
 
-def warmstart_cache_dir() -> str:
-  """The default `warmstart.cache_dir` on this machine ("" = no cache)."""
-  choice = os.environ.get("GPPO_WARMSTART_CACHE", "")
-  if choice == "off":
-    return ""
-  return choice or WARMSTART_CACHE_DEFAULT
+def cache_folder(env: str, default: str) -> str:
+  """A machine's cache folder: $env if set, else `default`; "" (no cache) for a value of off,
+  none, false, 0 or nothing."""
+  choice = os.environ.get(env, default).strip()
+  return "" if choice.lower() in ("", "off", "0", "false", "none") else choice
 
 
 # Config-file arguments: name -> whether it takes a value (`task=NAME`) or is a switch (`smoke`).
@@ -139,7 +139,7 @@ def base(
   c.warmstart.eval_size = 256
   c.warmstart.batch_size = 128
   c.warmstart.lr = 3e-3
-  c.warmstart.cache_dir = warmstart_cache_dir()
+  c.warmstart.cache_dir = cache_folder(WARMSTART_CACHE_ENV, WARMSTART_CACHE_DEFAULT)
   # Seed of the initial policy (init + warm start); None = the run's seed.
   c.warmstart.seed = ml_collections.config_dict.placeholder(int)
 

@@ -295,8 +295,8 @@ def use_compilation_cache() -> str | None:
   configured = jax.config.jax_compilation_cache_dir
   if configured:
     return configured
-  choice = os.environ.get(XLA_CACHE_ENV, XLA_CACHE_DEFAULT).strip()
-  if choice.lower() in ("", "off", "0", "false", "none"):
+  choice = config_lib.cache_folder(XLA_CACHE_ENV, XLA_CACHE_DEFAULT)
+  if not choice:
     return None
   path = choice if "://" in choice else os.path.abspath(os.path.expanduser(choice))
   jax.config.update("jax_compilation_cache_dir", path)

@@ -71,6 +71,15 @@ for flag in COMPILE_FLAGS.split():
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _session_folder(prefix: str) -> str:
+  """A fresh temporary folder for this session, removed at exit by the process that made it only
+  (xdist workers and children inherit its name through the environment)."""
+  path = tempfile.mkdtemp(prefix=prefix)
+  pid = os.getpid()
+  atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
+  return path
+
+
 def _set_up_compilation_cache():
   choice = os.environ.get("GPPO_TEST_JAX_CACHE", "")
   if choice == "off":
@@ -81,10 +90,7 @@ def _set_up_compilation_cache():
   if choice:
     path = os.path.abspath(os.path.expanduser(choice))
   else:
-    path = tempfile.mkdtemp(prefix="gppo_jax_test_xla_cache_")
-    pid = os.getpid()
-    # Only the process that made it removes it (xdist workers and children inherit it).
-    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
+    path = _session_folder("gppo_jax_test_xla_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   # Programs that take over half a second to compile (the updates, samplers, warm-start steps:
   # nearly all of the compile time); caching every tiny jit costs more in writes than it saves.
@@ -104,12 +110,8 @@ def _set_up_warmstart_cache():
   one config train its warm start once (~3 s each time on 2 cores) instead of once per run. Fresh
   per session, so no entry made by other code is ever loaded; a GPPO_WARMSTART_CACHE set by the
   user wins ("off": every run trains its own)."""
-  if os.environ.get("GPPO_WARMSTART_CACHE"):
-    return
-  path = tempfile.mkdtemp(prefix="gppo_jax_test_warmstart_")
-  pid = os.getpid()
-  atexit.register(lambda: os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
-  os.environ["GPPO_WARMSTART_CACHE"] = path
+  if "GPPO_WARMSTART_CACHE" not in os.environ:
+    os.environ["GPPO_WARMSTART_CACHE"] = _session_folder("gppo_jax_test_warmstart_")
 
 
 _set_up_warmstart_cache()
