@@ -90,6 +90,25 @@ def self_allowed(mask: jax.Array) -> jax.Array:
   return (causal[None] & mask[:, :, None] & mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
 
 
+def shared_prefix_allowed(mask: jax.Array, prefix_len: int, copies: int) -> jax.Array:
+  """bool [B, S, S] for rows packed as one prefix then `copies` continuations of equal length
+  (S = prefix_len + copies * C; mask bool [B, S]): each token attends as it would in its own
+  row of prefix + continuation under the module's rule. A prefix query sees the real prefix keys
+  up to itself; a continuation query sees the whole real prefix and its own continuation's real
+  keys up to itself, never another continuation; a padding query sees only itself."""
+  S = mask.shape[1]
+  C = (S - prefix_len) // copies
+  if prefix_len + copies * C != S:
+    raise ValueError(f"{S} tokens are not a {prefix_len}-token prefix + {copies} equal parts")
+  idx = jnp.arange(S)
+  segment = jnp.where(idx < prefix_len, 0, 1 + (idx - prefix_len) // max(C, 1))
+  row_pos = jnp.where(idx < prefix_len, idx, prefix_len + (idx - prefix_len) % max(C, 1))
+  visible = (row_pos[None, :] <= row_pos[:, None]) & (
+    (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
+  )
+  return (visible[None] & mask[:, :, None] & mask[:, None, :]) | jnp.eye(S, dtype=bool)[None]
+
+
 def dense(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
   """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh]: float32 scores and
   softmax, probabilities cast to v's dtype for the value product. Every row needs one True."""

@@ -326,12 +326,13 @@ class Transformer(nnx.Module):
     onwards: what predicts the response tokens).
 
     Each group is packed into one row of P + G * (L - P) tokens (the prompt, then its G
-    continuations), so the projections and the MLP see each prompt token once. Only attention
-    needs the rows themselves: it unpacks q, k and v into the N rows of L tokens (each prompt
-    broadcast to its G rows), runs cfg.attention's causal self-attention on them (the prompt's
-    queries are computed G times there, a small share of a layer), and packs the result back,
-    reading each prompt's outputs from its group's first row. The backward sums each prompt's
-    gradients over its G rows through the broadcast.
+    continuations), so the projections and the MLP see each prompt token once. Attention runs
+    on the packed group itself where dense attention suits it (`_shared_prefix_attend`); else
+    it unpacks q, k and v into the N rows of L tokens (each prompt broadcast to its G rows),
+    runs cfg.attention's causal self-attention on them (the prompt's queries are computed G
+    times there, a small share of a layer), and packs the result back, reading each prompt's
+    outputs from its group's first row. The backward sums each prompt's gradients over its G
+    rows through the broadcast.
     """
     N, L = tokens.shape
     G, P = group_size, prompt_len
@@ -353,10 +354,7 @@ class Transformer(nnx.Module):
       conts = a[:, P:].reshape(ngroups, G, R, *tail)
       return jnp.concatenate([prompt, conts], axis=2).reshape(N, L, *tail)
 
-    row_attend = self._self_attend(attn_mask.astype(bool))
-
-    def attend(q, k, v):
-      return pack(row_attend(unpack(q), unpack(k), unpack(v)))
+    attend = self._shared_prefix_attend(attn_mask.astype(bool), pack, unpack, P, G)
 
     x = jnp.take(self.embed[...], pack(tokens), axis=0).astype(self.cfg.compute_dtype)
     x = self._layer_scan(x, pack(positions), attend)
@@ -364,6 +362,18 @@ class Transformer(nnx.Module):
     last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
     conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
     return jnp.concatenate([last, conts], axis=2).reshape(N, R + 1, x.shape[-1])
+
+  def _shared_prefix_attend(self, attn_mask, pack, unpack, P, G) -> Callable:
+    """attend(q, k, v) on packed groups (`shared_prompt_hidden`). Where the packed sequence is
+    short enough for dense attention and its scores are not much more than the rows' (at most
+    twice), attention runs on it directly under `attention.shared_prefix_allowed`: no copies
+    of the prompt's keys and values into every row and back, and G times fewer, larger score
+    products. Otherwise it unpacks q, k and v into the rows and runs cfg.attention there."""
+    if attends_packed_groups(self.cfg, attn_mask.shape[1], P, G):
+      allowed = attention_lib.shared_prefix_allowed(pack(attn_mask), P, G)
+      return lambda q, k, v: attention_lib.dense_fused(q, k, v, allowed)
+    row_attend = self._self_attend(attn_mask)
+    return lambda q, k, v: pack(row_attend(unpack(q), unpack(k), unpack(v)))
 
   def unembedding(self) -> tuple[jax.Array, bool]:
     """(W, tied): the output projection, [vocab, hidden] when tied else [hidden, vocab]."""
@@ -375,6 +385,20 @@ class Transformer(nnx.Module):
     """float32 [..., vocab] logits of hidden states (tied or untied head)."""
     w, tied = self.unembedding()
     return _project(hidden, w, tied)
+
+
+def attends_packed_groups(
+  cfg: ModelConfig, row_len: int, prompt_len: int, group_size: int, backend: str | None = None
+) -> bool:
+  """Whether `Transformer.shared_prompt_hidden` attends on the packed groups of
+  S = prompt_len + group_size * (row_len - prompt_len) tokens: when cfg.attention resolves to
+  dense for S on `backend` (default: jax's) and the group's S^2 scores are at most twice its
+  rows' group_size * row_len^2."""
+  S = prompt_len + group_size * (row_len - prompt_len)
+  impl = attention_lib.resolve(
+    cfg.attention, seq_len=S, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
+  )
+  return group_size > 1 and impl == "dense" and S * S <= 2 * group_size * row_len**2
 
 
 def unstack_layers(model: Transformer) -> list[dict[str, jax.Array]]:

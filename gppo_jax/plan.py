@@ -194,8 +194,9 @@ def analytic_activation_bytes(
   One micro-batch of rows split over data x fsdp: the saved layer inputs (every intermediate
   without remat), one layer's forward and backward working set, the chunked log-prob head, and
   gradient-sized buffers. Attention: dense keeps float32 scores, probabilities and their
-  gradient ([rows, heads, seq, seq] each); the linear-memory implementations (blockwise,
-  cudnn, splash) one such block of tiles plus float32 per-token accumulators.
+  gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where shared prompts attend
+  on packed groups of S tokens); the linear-memory implementations (blockwise, cudnn, splash)
+  one such block of tiles plus float32 per-token accumulators.
   Calibrated against the compiled plan of 7-8B models to within ~20%.
   """
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -207,7 +208,11 @@ def analytic_activation_bytes(
   kv = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
   tokens = rows * seq
   layer_work = 2 * tokens * (4 * d + 3 * f // tp + 2 * (heads + 2 * kv) * dh) * item
-  if attention_impl(cfg, seq, backend) == "dense":
+  G, P = spec.group_size, spec.prompt_len
+  if model_lib.attends_packed_groups(cfg, seq, P, G, backend):  # groups of P + G R tokens
+    packed = P + G * (seq - P)
+    attn = 3 * max(1, rows // G) * heads * packed * packed * 4
+  elif attention_impl(cfg, seq, backend) == "dense":
     attn = 3 * rows * heads * seq * seq * 4
   else:
     block = min(seq, attention.BLOCK_SIZE)

@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, config_lib, errors, model, objective, train_step
+from gppo_jax import architectures, attention, config_lib, errors, model, objective, train_step
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 G, P, R = 4, 6, 5  # group size, prompt slots, response slots
@@ -54,12 +54,24 @@ def _graphdef(attention):
   return model.abstract_graphdef(dataclasses.replace(CFG, attention=attention))
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
-def test_hidden_states_equal_the_row_forward(state, attention):
+def _spy_packed(monkeypatch):
+  """Counts the packed-group masks shared_prompt_hidden builds (its packed attention path)."""
+  calls = []
+  real = attention.shared_prefix_allowed
+  monkeypatch.setattr(attention, "shared_prefix_allowed", lambda *a: calls.append(a) or real(*a))
+  return calls
+
+
+@pytest.mark.parametrize("attention_impl", ["dense", "blockwise"])
+def test_hidden_states_equal_the_row_forward(state, attention_impl, monkeypatch):
   b = _batch()
-  m = nnx.merge(_graphdef(attention), state)
+  m = nnx.merge(_graphdef(attention_impl), state)
   rows = m(b.inputs, b.positions, attn_mask=b.attn)[0][:, P - 1 :]
+  packed = _spy_packed(monkeypatch)
   shared = m.shared_prompt_hidden(b.inputs, b.positions, b.attn, prompt_len=P, group_size=G)
+  # Dense attends on the packed groups (22 tokens, scores 484 per group against the rows'
+  # 4 x 100); blockwise on the rows.
+  assert len(packed) == (attention_impl == "dense")
   assert shared.shape == rows.shape == (b.num_rows, R, CFG.hidden_size)
   # Position 0 (the last prompt token) and every real response input; pads are ignorable.
   real = np.concatenate([np.ones((b.num_rows, 1), bool), b.attn[:, P:]], axis=1)
@@ -68,12 +80,12 @@ def test_hidden_states_equal_the_row_forward(state, attention):
   )
 
 
-@pytest.mark.parametrize("attention", ["dense", "blockwise"])
-def test_loss_and_gradients_equal_the_row_forward(state, attention):
+@pytest.mark.parametrize("attention_impl", ["dense", "blockwise"])
+def test_loss_and_gradients_equal_the_row_forward(state, attention_impl):
   """The update's loss through the chunked head: same value, same gradient for every parameter
   (the prompt's gradient is summed over its G rows through the broadcast)."""
   b = jax.tree.map(jnp.asarray, _batch(seed=1))
-  graphdef = _graphdef(attention)
+  graphdef = _graphdef(attention_impl)
   loss_cfg = objective.LossConfig(
     divergence="kl", estimator="atomic", delta_low=0.2, delta_high=0.25
   )
@@ -93,6 +105,60 @@ def test_loss_and_gradients_equal_the_row_forward(state, attention):
   np.testing.assert_allclose(v_shared, v_rows, rtol=1e-5, atol=1e-7)
   assert float(optax_norm(g_rows)) > 0
   chex.assert_trees_all_close(g_shared, g_rows, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_group_mask_is_each_rows_own_mask():
+  """shared_prefix_allowed on a packed group equals, token for token, the causal padding mask of
+  the row each token belongs to (a prefix token: any row; nothing across continuations)."""
+  rng = np.random.default_rng(3)
+  prefix, copies, cont = 5, 3, 4
+  prompt_real = np.arange(prefix) >= 2  # left padding
+  cont_real = np.arange(cont)[None] < rng.integers(1, cont + 1, copies)[:, None]
+  packed_mask = np.concatenate([prompt_real, cont_real.reshape(-1)])[None]
+  got = np.asarray(attention.shared_prefix_allowed(jnp.asarray(packed_mask), prefix, copies))[0]
+  rows = np.asarray(
+    attention.self_allowed(
+      jnp.asarray(
+        np.concatenate([np.broadcast_to(prompt_real, (copies, prefix)), cont_real], axis=1)
+      )
+    )
+  )  # [copies, L, L]
+  where = [(None, a) for a in range(prefix)]  # packed index -> (row or None for prefix, column)
+  where += [(c, prefix + r) for c in range(copies) for r in range(cont)]
+  for a, (row_a, col_a) in enumerate(where):
+    for b, (row_b, col_b) in enumerate(where):
+      row = row_a if row_a is not None else row_b
+      if row_a is not None and row_b is not None and row_a != row_b:
+        want = a == b  # never across continuations
+      elif row_a is None and row_b is not None:
+        want = False  # a prefix query never sees a continuation
+      else:
+        want = rows[0 if row is None else row][col_a, col_b]
+      assert got[a, b] == want, (a, b)
+  with pytest.raises(ValueError, match="equal parts"):
+    attention.shared_prefix_allowed(jnp.asarray(packed_mask[:, :-1]), prefix, copies)
+
+
+def test_packed_attention_only_where_its_scores_are_few(state, monkeypatch):
+  """Long responses after a short prompt make the packed group's scores (P + G R)^2 more than
+  twice the rows' G (P + R)^2: dense attention then runs on the rows, with the same result."""
+  rng = np.random.default_rng(5)
+  n, p_len, r_len = 2 * G, 1, 12
+  prompts = np.repeat(rng.integers(3, CFG.vocab_size, (2, p_len)), G, 0)
+  resp_mask = np.arange(r_len)[None] < rng.integers(1, r_len + 1, n)[:, None]
+  b = train_step.build_batch(
+    prompts, np.ones_like(prompts, bool), rng.integers(3, CFG.vocab_size, (n, r_len)),
+    resp_mask, logq=np.zeros((n, r_len)), adv=np.zeros(n),
+  )  # fmt: skip
+  m = nnx.merge(_graphdef("dense"), state)
+  rows = m(b.inputs, b.positions, attn_mask=b.attn)[0][:, p_len - 1 :]
+  packed = _spy_packed(monkeypatch)
+  shared = m.shared_prompt_hidden(b.inputs, b.positions, b.attn, prompt_len=p_len, group_size=G)
+  assert not packed  # 45^2 = 2025 > 2 * 4 * 12^2 = 1152
+  real = np.concatenate([np.ones((n, 1), bool), b.attn[:, p_len:]], axis=1)
+  chex.assert_trees_all_close(
+    np.where(real[..., None], shared, 0), np.where(real[..., None], rows, 0), atol=2e-5
+  )
 
 
 def optax_norm(tree):
