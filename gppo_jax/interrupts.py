@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 
-import numpy as np
+from gppo_jax import sharding
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -77,15 +77,7 @@ class StopSignals:
 
   def should_stop(self) -> bool:
     """True on every process once any process got a signal (a collective on multi-host runs)."""
-    local = self.received is not None
-    import jax
-
-    if jax.process_count() == 1:
-      return local
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.asarray(int(local), np.int32))
-    return bool(np.max(flags))
+    return bool(sharding.global_max(int(self.received is not None)))
 
 
 def _tell(text: str) -> None:

@@ -23,12 +23,9 @@ from gppo_jax.envs import Prompt
 
 def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: Sequence[int]):
   """Response texts: the masked tokens without the stop token."""
-  stops = set(int(s) for s in stop_ids)
-  out = []
-  for row, m in zip(np.asarray(tokens), np.asarray(mask), strict=True):
-    ids = [int(t) for t, keep in zip(row, m, strict=True) if keep and int(t) not in stops]
-    out.append(tokenizer.decode(ids))
-  return out
+  tokens = np.asarray(tokens)
+  keep = np.asarray(mask, bool) & ~np.isin(tokens, np.asarray(list(stop_ids), tokens.dtype))
+  return [tokenizer.decode(row[k].tolist()) for row, k in zip(tokens, keep, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)

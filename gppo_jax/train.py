@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -132,8 +133,13 @@ class Run:
   # iteration t samples with the oldest (theta_{t-k}, theta_0 while t < k). Saved in checkpoints.
   behaviour: list = dataclasses.field(default_factory=list)
 
-  def key(self, iteration: int) -> jax.Array:
-    return jax.random.fold_in(jax.random.PRNGKey(self.config.seed), iteration)
+  @functools.cached_property
+  def seed_key(self) -> jax.Array:
+    return jax.random.PRNGKey(self.config.seed)  # eagerly: seeds may exceed int32
+
+  def keys(self, iteration: int) -> tuple[jax.Array, jax.Array]:
+    """The iteration's (rollout, update) random keys: fold_in(fold_in(PRNGKey(seed), t), 0 / 1)."""
+    return _iteration_keys(self.seed_key, iteration)
 
   def evaluate(self, params) -> dict[str, float]:
     return experiment.evaluate(
@@ -258,11 +264,17 @@ def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable |
   )
 
 
+@jax.jit  # one dispatch: eagerly, each of these random ops is dispatched alone (~0.5 ms each)
+def _iteration_keys(seed_key, iteration):
+  key = jax.random.fold_in(seed_key, iteration)
+  return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+
 def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
   Returns the new state and the iteration's metrics (time/* for each phase)."""
   t0 = time.perf_counter()
-  key = run.key(iteration)
+  rollout_key, update_key = run.keys(iteration)
   # The behaviour policy: the learner itself, or with rollout.staleness = k the learner k updates
   # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
   behaviour = run.behaviour[0] if run.behaviour else state.params
@@ -271,7 +283,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     run.env,
     run.sample_fn,
     behaviour,
-    jax.random.fold_in(key, 0),
+    rollout_key,
     run.sampling,
     prompt_len=run.spec.prompt_len,
     pad_id=run.sampling.pad_id,
@@ -307,7 +319,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     # same figures at the start of the update, as diag_start/... (on-policy they are all zero).
     start = jax.device_get(run.diagnose(behaviour, state.params, on_devices))
     metrics.update({"diag_start/" + k.split("/", 1)[1]: v for k, v in start.items()})
-  state, upd = run.update(state, on_devices, jax.random.fold_in(key, 1))
+  state, upd = run.update(state, on_devices, update_key)
   if run.behaviour:
     run.behaviour = run.behaviour[1:] + [before]
   metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))

@@ -125,3 +125,15 @@ def test_the_default_config_is_the_old_single_k_evaluation(policy):
   c.eval.k = 0  # the old way to skip the sampled evaluation
   greedy_only = experiment.evaluate(c, graphdef, params, env, max_new_tokens=6, sample_fn=None)
   assert set(greedy_only) == {k for k in got if "accuracy" in k}
+
+
+def test_decoded_responses_keep_the_masked_tokens_without_stops():
+  tokens = np.array([[5, 7, 2, 0], [9, 3, 4, 6], [2, 2, 0, 0]], np.int32)
+  mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 0, 0]], bool)
+  texts = policy_eval.decode_responses(_LengthEnv.tokenizer, tokens, mask, stop_ids=(2, 3))
+  assert texts == ["5,7", "9,4,6", ""]
+  assert policy_eval.decode_responses(_LengthEnv.tokenizer, tokens, mask, ()) == [
+    "5,7,2",
+    "9,3,4,6",
+    "2",
+  ]

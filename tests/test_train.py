@@ -566,3 +566,20 @@ def test_commands_keep_compiled_programs_in_a_persistent_cache(tmp_path):
   for command in (train, evaluate):
     source = open(command.__file__).read()
     assert "experiment.use_compilation_cache()" in source.split("def main(")[1]
+
+
+@pytest.mark.parametrize("seed", [0, -3, 2**31, 2**62])
+def test_iteration_keys_are_the_seeds_fold_ins_for_any_valid_seed(seed):
+  """Each iteration's (rollout, update) keys are fold_in(fold_in(PRNGKey(seed), t), 0 / 1), for
+  seeds beyond int32 too (config validation allows 64-bit seeds), and differ between iterations."""
+  run = train.Run.__new__(train.Run)  # only the config's seed is read
+  run.config = config_lib.base("smoke")
+  run.config.seed = seed
+  for t in (0, 1, 399):
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), t)
+    got = run.keys(t)
+    for want, key in zip(
+      (jax.random.fold_in(base, 0), jax.random.fold_in(base, 1)), got, strict=True
+    ):
+      np.testing.assert_array_equal(np.asarray(key), np.asarray(want))
+  assert not np.array_equal(np.asarray(run.keys(0)[0]), np.asarray(run.keys(1)[0]))
