@@ -19,6 +19,7 @@ this machine (a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON lin
 
   python benchmarks/train_step.py                          # both shapes, the shipped defaults
   python benchmarks/train_step.py --shape small --repeats 7
+  python benchmarks/train_step.py --shape small --rows 1 --length 4096   # a long sequence
   python benchmarks/train_step.py --shape tiny --variants full/dense,dots/dense,none/dense
 
   python benchmarks/train_step.py --shape small --memory 2048,4096,8192 \
@@ -79,10 +80,10 @@ def build(shape: str, seed: int = 0):
   """(hf_model, our_model) of one shape with the same random weights."""
   from transformers import Qwen2Config, Qwen2ForCausalLM
 
-  fields, _, _ = SHAPES[shape]
+  fields, _, length = SHAPES[shape]
   torch.manual_seed(seed)
   cfg = Qwen2Config(
-    **fields, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    **fields, max_position_embeddings=max(4096, length), rope_theta=10000.0, rms_norm_eps=1e-6,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
   )  # fmt: skip
   hf = Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
@@ -259,6 +260,10 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shape", default="both", choices=["both", *SHAPES])
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--rows", type=int, default=0, help="batch rows (default: the shape's)")
+  ap.add_argument(
+    "--length", type=int, default=0, help=f"tokens per row, > {PROMPT_LEN} (default: the shape's)"
+  )
   ap.add_argument(
     "--variants",
     default="",
@@ -280,6 +285,11 @@ def main():
     if len(v.split("/")) != 2:
       ap.error(f"--variants entry {v!r}: expected remat/attention")
   shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+  if args.length and args.length <= PROMPT_LEN:
+    ap.error(f"--length {args.length}: rows are a {PROMPT_LEN}-token prompt + the response")
+  for shape in shapes:  # a batch of another size for this run (e.g. --rows 1 --length 4096)
+    fields, rows, length = SHAPES[shape]
+    SHAPES[shape] = (fields, args.rows or rows, args.length or length)
   if args.memory:
     lengths = [int(t) for t in args.memory.split(",")]
     for shape in shapes:

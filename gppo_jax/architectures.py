@@ -16,17 +16,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import errors
+from gppo_jax import attention, errors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION = ("auto", "dense", "blockwise", "cudnn", "splash")  # = attention.IMPLEMENTATIONS
-# Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory),
-# "dots" also keeps weight-matmul outputs, "none" keeps everything (fastest, most memory).
+# Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory);
+# "attention" also keeps the blockwise attention's output and log-sum-exp (attention.SAVED_NAMES:
+# O(T) per layer), so the backward does not rerun the attention forward (with dense, cuDNN or
+# splash attention it is "full"); "dots" keeps the layer input and weight-matmul outputs; "none"
+# keeps everything (most memory; not the fastest on CPU, see README "Performance").
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
+  "attention": jax.checkpoint_policies.save_only_these_names(*attention.SAVED_NAMES),
   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
@@ -55,7 +59,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int = 0
   family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
-  remat: str = "full"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
+  remat: str = "attention"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
   # Attention of the training forward and the prefill (attention.py): "auto" (cuDNN on GPU,
   # splash on TPU, dense or blockwise on CPU by length), "dense", "blockwise", "cudnn", "splash".
   attention: str = "auto"

@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from gppo_jax import partitioning
 
@@ -45,6 +46,9 @@ BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
 DECODE_BLOCK = 256
 SPLASH_BLOCK = 512
 _NEG_INF = -jnp.inf
+# The blockwise forward's residuals, named for remat policies (remat "attention" keeps them: O(T)
+# per layer; without them the backward first reruns the whole attention forward).
+SAVED_NAMES = ("attention_out", "attention_lse")
 
 
 def resolve(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None) -> str:
@@ -305,6 +309,7 @@ def _flash(q, k, v, mask, tile):
 
 def _flash_fwd(q, k, v, mask, tile):
   out, lse = _flash_forward(q, k, v, mask, tile)
+  out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
   return out, (q, k, v, mask, out, lse)
 
 

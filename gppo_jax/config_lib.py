@@ -124,9 +124,10 @@ def base(
   c.model.path = ml_collections.config_dict.placeholder(str)  # local Hugging Face folder
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
-  # What each layer keeps for the backward pass (architectures.REMAT_POLICIES: full, dots, none)
-  # and the attention implementation (attention.py: auto, dense, blockwise, cudnn, splash).
-  c.model.remat = "full"
+  # What each layer keeps for the backward pass (architectures.REMAT_POLICIES: full, attention,
+  # dots, none) and the attention implementation (attention.py: auto, dense, blockwise, cudnn,
+  # splash).
+  c.model.remat = "attention"
   c.model.attention = "auto"
   c.model.export_hf = False  # also write a Hugging Face folder at the end of training
 
@@ -613,7 +614,7 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict[str, str]:
   return dict(
     dtype=m.dtype,
     param_dtype=m.param_dtype,
-    remat=m.get("remat", "full"),
+    remat=m.get("remat", "attention"),
     attention=m.get("attention", "auto"),
   )
 

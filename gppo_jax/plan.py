@@ -191,8 +191,9 @@ def analytic_activation_bytes(
 ) -> int:
   """Closed-form estimate of the update's temporaries per device (remat-aware, chunked head).
 
-  One micro-batch of rows split over data x fsdp: the saved layer inputs (every intermediate
-  without remat), one layer's forward and backward working set, the chunked log-prob head, and
+  One micro-batch of rows split over data x fsdp: the saved layer inputs (and the blockwise
+  attention's output with remat "attention"; every intermediate without remat), one layer's
+  forward and backward working set, the chunked log-prob head, and
   gradient-sized buffers. Attention: dense keeps float32 scores, probabilities and their
   gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where shared prompts attend
   on packed groups of S tokens); the linear-memory implementations (blockwise, cudnn, splash)
@@ -218,6 +219,8 @@ def analytic_activation_bytes(
     block = min(seq, attention.BLOCK_SIZE)
     attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
+  if cfg.remat == "attention" and attention_impl(cfg, seq, backend) == "blockwise":
+    saved += tokens * heads * (dh * item + 4) * cfg.num_layers  # attention.SAVED_NAMES
   if cfg.remat == "none":
     saved = cfg.num_layers * (layer_work + attn) // 2
   head = rows * min(128, seq) * cfg.vocab_size * 4 * 3
@@ -252,10 +255,13 @@ def plan(
   impl = attention_impl(cfg, p + r - 1, backend)
   if compile and impl not in ("dense", "blockwise"):
     # The compile runs here (CPU): the target's fused kernel is compiled as blockwise, the
-    # pure-JAX kernel of the same linear memory class.
+    # pure-JAX kernel of the same linear memory class, keeping nothing the target would not:
+    # remat "attention" keeps blockwise's residuals, which cuDNN and splash recompute ("full").
     notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
-  if compile:
-    cfg = dataclasses.replace(cfg, attention="blockwise" if impl != "dense" else "dense")
+    remat = "full" if cfg.remat == "attention" else cfg.remat
+    cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat)
+  elif compile:
+    cfg = dataclasses.replace(cfg, attention=impl)
   update_fn, state, spec = update_setup(config, cfg, p, r)
   batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)
   sh = sharding.state_shardings(state, mesh)

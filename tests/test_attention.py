@@ -201,9 +201,9 @@ def _model_batch(B=4, T=29, seed=0):
   return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), positions
 
 
-def _model_run(impl, state, tokens, mask, positions, grad):
-  """(loss, hidden states of real tokens[, parameter gradients]) of a log-prob loss."""
-  graphdef = model.abstract_graphdef(dataclasses.replace(CFG, attention=impl, remat="none"))
+def _model_loss(impl, tokens, mask, positions, remat="none"):
+  """state -> (log-prob loss, hidden states) of the model with attention `impl`."""
+  graphdef = model.abstract_graphdef(dataclasses.replace(CFG, attention=impl, remat=remat))
 
   def loss(state):
     m = nnx.merge(graphdef, state)
@@ -211,6 +211,12 @@ def _model_run(impl, state, tokens, mask, positions, grad):
     lp = model.chunked_logprobs(m, hidden, jnp.roll(tokens, -1, 1))["logprobs"]
     return jnp.sum(jnp.where(mask, lp, 0.0)), hidden
 
+  return loss
+
+
+def _model_run(impl, state, tokens, mask, positions, grad):
+  """(loss, hidden states of real tokens[, parameter gradients]) of a log-prob loss."""
+  loss = _model_loss(impl, tokens, mask, positions)
   if grad:
     (value, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
   else:
@@ -235,6 +241,28 @@ def test_model_equals_dense(impl, weights, dense_model, monkeypatch):
   if impl != "blockwise":
     want = want[:2] + (None,)
   chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
+
+
+def _count(jaxpr, name):
+  """Occurrences of primitive `name` in a jaxpr, nested jaxprs included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    n += sum(_count(sub, name) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+  return n
+
+
+def test_remat_attention_keeps_the_blockwise_forward(weights, dense_model):
+  """remat="attention": the same gradients as every other policy, and the backward does not
+  rerun the blockwise attention forward (as many attention loops as without remat; "full"
+  reruns it: one more)."""
+  batch, (_, _, want) = dense_model
+  loops = {}
+  for remat in ("none", "full", "attention", "dots"):
+    grad = jax.grad(_model_loss("blockwise", *batch, remat=remat), has_aux=True)
+    chex.assert_trees_all_close(jax.jit(grad)(weights)[0], want, atol=5e-5, rtol=5e-5)
+    loops[remat] = _count(jax.make_jaxpr(grad)(weights).jaxpr, "while")
+  assert loops["attention"] == loops["none"] == loops["full"] - 1, loops
 
 
 def test_model_prefill_with_blockwise_equals_dense(weights):

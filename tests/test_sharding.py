@@ -18,6 +18,7 @@ from gppo_jax import (
   architectures,
   attention,
   checkpointing,
+  config_lib,
   objective,
   partitioning,
   plan,
@@ -391,6 +392,25 @@ def test_plan_counts_linear_attention_memory_on_long_responses():
   short = plan.model_config(_qwen_config(512, "auto"))[0]
   assert plan.attention_impl(short, attention.DENSE_MAX_LEN, "cpu") == "dense"
   assert plan.attention_impl(short, 600, "cpu") == "blockwise"
+
+
+def test_plan_compiles_a_kernels_stand_in_without_blockwise_residuals():
+  """remat="attention" keeps the blockwise attention's output for the backward, which splash
+  (TPU) and cuDNN (GPU) do not: planned for TPU, the blockwise stand-in compiles as remat
+  "full" (the same memory); planned for CPU, where blockwise runs, the kept output counts."""
+  devices = jax.devices()[:1]
+
+  def acts(remat, backend):
+    c = config_lib.base("smoke")
+    c.model.preset, c.model.remat = "tiny", remat
+    c.data.train_path = "never_read.jsonl"  # rows of data files: 64-token prompts here
+    c.data.max_prompt_tokens, c.rollout.max_new_tokens = 64, 2 * attention.DENSE_MAX_LEN
+    c.train.epochs = c.train.minibatches = 1
+    return plan.plan(c, {"data": 1}, devices=devices, backend=backend).activations
+
+  assert acts("attention", "tpu") == acts("full", "tpu")
+  # [32 rows, 319 tokens, 4 heads, 16 + 1 floats] x 2 layers kept: 5.2 MB (measured 18.6 MB)
+  assert acts("attention", "cpu") > acts("full", "cpu") + 4e6
 
 
 def test_update_flops_count_six_per_parameter_and_token_plus_causal_attention():
