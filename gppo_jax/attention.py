@@ -139,11 +139,13 @@ def _dense_fused_fwd(q, k, v, allowed):
   B, T, H, Dh = q.shape
   K = k.shape[2]
   qg = q.reshape(B, T, K, H // K, Dh)
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  s = s * (Dh**-0.5) + _mask_bias(allowed)[:, None, None]  # each row allows one key
+  # Scores and probabilities [B, K, T, G, S]: query rows (t, g) in q's own order, so the value
+  # product's output is [B, K, T, G, Dh] and only it (not the probabilities) is transposed.
+  s = jnp.einsum("btkgd,bskd->bktgs", qg, k, preferred_element_type=jnp.float32)
+  s = s * (Dh**-0.5) + _mask_bias(allowed)[:, None, :, None]  # each row allows one key
   p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
   p = p / jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v).reshape(B, T, H, Dh)
+  out = jnp.einsum("bktgs,bskd->btkgd", p.astype(v.dtype), v).reshape(B, T, H, Dh)
   out = out.astype(q.dtype)
   return out, (q, k, v, p, out)
 
@@ -154,15 +156,15 @@ def _dense_fused_bwd(res, dout):
   K = k.shape[2]
   f32 = jnp.float32
   qg, dog, og = (x.reshape(B, T, K, H // K, Dh) for x in (q, dout, out))
-  dp = jnp.einsum("btkgd,bskd->bkgts", dog, v, preferred_element_type=f32)
-  delta = jnp.einsum("btkgd,btkgd->bkgt", dog.astype(f32), og.astype(f32))
+  dp = jnp.einsum("btkgd,bskd->bktgs", dog, v, preferred_element_type=f32)
+  delta = jnp.einsum("btkgd,btkgd->bktg", dog.astype(f32), og.astype(f32))
   # The softmax scale multiplies dq and dk, not the [.., T, S] ds: a scalar times a tensor that
   # size became a materialised broadcast of the scalar in XLA CPU's matmul fusions.
   ds = (p * (dp - delta[..., None])).astype(q.dtype)
   scale = Dh**-0.5
-  dq = jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=f32).reshape(q.shape) * scale
-  dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=f32) * scale
-  dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dout.dtype), dog, preferred_element_type=f32)
+  dq = jnp.einsum("bktgs,bskd->btkgd", ds, k, preferred_element_type=f32).reshape(q.shape) * scale
+  dk = jnp.einsum("bktgs,btkgd->bskd", ds, qg, preferred_element_type=f32) * scale
+  dv = jnp.einsum("bktgs,btkgd->bskd", p.astype(dout.dtype), dog, preferred_element_type=f32)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
