@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 
 from gppo_jax import architectures, model, sharding
 from gppo_jax import attention as attn
@@ -248,7 +249,7 @@ def _count(jaxpr, name):
   n = 0
   for eqn in jaxpr.eqns:
     n += eqn.primitive.name == name
-    n += sum(_count(sub, name) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+    n += sum(_count(sub, name) for sub in jaxprs_in_params(eqn.params))
   return n
 
 
