@@ -387,6 +387,12 @@ class Transformer(nnx.Module):
     return _project(hidden, w, tied)
 
 
+def packed_group_len(row_len: int, prompt_len: int, group_size: int) -> int:
+  """Tokens of one group packed by `Transformer.shared_prompt_hidden`: the prompt once, then
+  the group's continuations."""
+  return prompt_len + group_size * (row_len - prompt_len)
+
+
 def attends_packed_groups(
   cfg: ModelConfig, row_len: int, prompt_len: int, group_size: int, backend: str | None = None
 ) -> bool:
@@ -394,7 +400,7 @@ def attends_packed_groups(
   S = prompt_len + group_size * (row_len - prompt_len) tokens: when cfg.attention resolves to
   dense for S on `backend` (default: jax's) and the group's S^2 scores are at most twice its
   rows' group_size * row_len^2."""
-  S = prompt_len + group_size * (row_len - prompt_len)
+  S = packed_group_len(row_len, prompt_len, group_size)
   impl = attention_lib.resolve(
     cfg.attention, seq_len=S, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
   )

@@ -210,16 +210,17 @@ def analytic_activation_bytes(
   tokens = rows * seq
   layer_work = 2 * tokens * (4 * d + 3 * f // tp + 2 * (heads + 2 * kv) * dh) * item
   G, P = spec.group_size, spec.prompt_len
-  if model_lib.attends_packed_groups(cfg, seq, P, G, backend):  # groups of P + G R tokens
-    packed = P + G * (seq - P)
+  impl = attention_impl(cfg, seq, backend)
+  if model_lib.attends_packed_groups(cfg, seq, P, G, backend):
+    packed = model_lib.packed_group_len(seq, P, G)
     attn = 3 * max(1, rows // G) * heads * packed * packed * 4
-  elif attention_impl(cfg, seq, backend) == "dense":
+  elif impl == "dense":
     attn = 3 * rows * heads * seq * seq * 4
   else:
     block = min(seq, attention.BLOCK_SIZE)
     attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
-  if cfg.remat == "attention" and attention_impl(cfg, seq, backend) == "blockwise":
+  if cfg.remat == "attention" and impl == "blockwise":
     saved += tokens * heads * (dh * item + 4) * cfg.num_layers  # attention.SAVED_NAMES
   if cfg.remat == "none":
     saved = cfg.num_layers * (layer_work + attn) // 2
