@@ -20,8 +20,10 @@ padding for prompts, right padding after a response) unless an implementation sa
 `attention(q, k, v, mask, impl)` picks one; "auto" is cudnn on GPU for half precision, splash on
 TPU, and on CPU dense up to `DENSE_MAX_LEN` tokens (faster when the scores are small) and
 blockwise above. `cached_attention` is the blockwise forward for queries written into a KV cache
-at a traced offset (the sampler's prefill and decode step): it reads only the cache blocks up to
-the last query, so one compiled step serves every cache length.
+at a traced offset (the sampler's prefill, and its scan decode step on TPU / GPU): it reads only
+the cache blocks up to the last query, so one compiled step serves every cache length.
+`decode_attention` is the CPU decode step's: one query over a layer's whole cache, stored with
+the keys transposed (`model.LayerCache`), in two matrix products that read the cache in place.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelCo
 # dense is ~5% faster.
 DENSE_MAX_LEN = 128
 BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
-# Key block of the single-token decode step over a KV cache (`cached_attention` with T = 1).
+# Key block of the scan decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
 SPLASH_BLOCK = 512
 _NEG_INF = -jnp.inf
@@ -458,6 +460,32 @@ def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
   _, l, acc = jax.lax.fori_loop(0, jnp.minimum(offset // tk + 1, nk), k_tile, init)
   out = acc / jnp.maximum(l, 1e-30)[..., None]
   return out.reshape(B, 1, K * G, Dh).astype(q.dtype)
+
+
+def decode_attention(
+  q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, offset: jax.Array | int
+) -> jax.Array:
+  """One query per row over a layer's whole cache in `model.LayerCache`'s layout.
+
+  q [B,1,H,Dh] written at slot `offset` (may be traced); k_t [B,K,Dh,S] (keys transposed);
+  v [B,K,S,Dh]; mask bool [B,S] (real slots). The query attends to the real slots <= offset and
+  to its own slot (the KV-cache rule of `cached_attention`). Two plain matrix products per
+  (row, KV head), read as stored: on CPU no key or value block is copied, which a loop over
+  blocks (`cached_attention`) cannot avoid, since XLA's CPU backend copies every dynamic slice
+  that feeds a matrix product. -> [B,1,H,Dh].
+  """
+  B, _, H, Dh = q.shape
+  K, S = k_t.shape[1], k_t.shape[3]
+  qh = q.reshape(B, K, H // K, Dh) * jnp.asarray(Dh**-0.5, q.dtype)
+  s = jnp.einsum("bkgd,bkds->bkgs", qh, k_t, preferred_element_type=jnp.float32)
+  slots = jnp.arange(S)
+  offset = jnp.asarray(offset, jnp.int32)
+  allowed = ((slots <= offset)[None] & mask) | (slots == offset)[None]  # [B, S]
+  s = jnp.where(allowed[:, None, None], s, _NEG_INF)
+  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))  # its own slot is always allowed
+  out = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out = out / jnp.sum(p, axis=-1)[..., None]
+  return out.reshape(B, 1, H, Dh).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------

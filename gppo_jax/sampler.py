@@ -1,4 +1,4 @@
-"""KV-cached autoregressive sampler: one prefill per prompt, then one `lax.while_loop` decode.
+"""KV-cached autoregressive sampler: one prefill per prompt, then a `lax.while_loop` decode.
 
 Every way of drawing responses lives here:
 
@@ -24,11 +24,19 @@ log-probs (and top-K) are under softmax(logits), i.e. T = 1.
 What a call costs. The prompt is run once per group of identical consecutive rows (`group_size`:
 the trainer's G samples of a prompt) and its KV cache and first-token logits are broadcast to the
 group's rows; the rows still draw different tokens (each row has its own uniform per step). The
-decode is one `lax.while_loop` over a cache of prompt + max_new_tokens - 1 slots, whose step
-attends over the filled cache blocks only (`decode_block` slots each, an online softmax with a
-traced trip count: `attention.cached_attention`): a step costs what the filled length costs
-(rounded up to a block), and one compiled step serves every length, so compile time does not
-grow with max_new_tokens. The loop stops as soon as every row has met a stop token.
+decode then takes one of two forms, both with a step whose cost follows the filled length and a
+compile that does not grow with max_new_tokens:
+
+- scan decode (TPU, GPU): one `lax.while_loop` over a cache of prompt + max_new_tokens - 1 slots;
+  a step scans the stacked layers and attends over the filled cache blocks only (`decode_block`
+  slots each, an online softmax with a traced trip count: `attention.cached_attention`).
+- unrolled decode (CPU, `unroll_layers`): the layers run unrolled on a copy of each layer's
+  weights, over a cache held per layer with the keys transposed (`model.LayerCache`), and a step
+  attends over the whole cache in two plain matrix products (`attention.decode_attention`): XLA's
+  CPU backend copies every block a blockwise loop slices, which cost more than the attention.
+  The cache grows in up to DECODE_PHASES phases (`phase_ends`), one while loop each.
+
+Either stops as soon as every row has met a stop token.
 
 Padding follows the project convention: prompts are left-padded (mask False on pads), positions are
 max(cumsum(mask) - 1, 0), and the response is right-padded with `pad_id` after the stop token.
@@ -56,6 +64,10 @@ from gppo_jax import partitioning, sharding
 LOGPROBS_MODES = ("tempered", "truncated")
 # Cache slots per key block of the decode step's attention (blocks past the filled length skipped).
 DECODE_BLOCK = attention_lib.DECODE_BLOCK
+# The unrolled (CPU) decode grows its cache in up to this many phases of at least
+# DECODE_PHASE_MIN steps each; a step attends over its phase's whole cache.
+DECODE_PHASES = 4
+DECODE_PHASE_MIN = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +147,7 @@ class SamplerState:
   """Carry of the decode loop. `step` is the index of the next response token to write."""
 
   step: jax.Array  # int32 []
-  cache: model_lib.KVCache
+  cache: model_lib.KVCache | model_lib.LayerCache
   last_token: jax.Array  # int32 [B]: token fed to the model in the next step
   position: jax.Array  # int32 [B]: position of last_token
   done: jax.Array  # bool [B]
@@ -345,15 +357,14 @@ def _prefill(model, tokens, mask, positions, group_size: int):
   return cache, logits
 
 
-def _grow(cache: model_lib.KVCache, slots: int) -> model_lib.KVCache:
-  """The cache padded with empty slots (zeros, mask False) to `slots` slots."""
-  extra = slots - cache.mask.shape[1]
-  if extra <= 0:
-    return cache
-  pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-  return model_lib.KVCache(
-    k=pad_kv(cache.k), v=pad_kv(cache.v), mask=jnp.pad(cache.mask, ((0, 0), (0, extra)))
-  )
+def phase_ends(prompt_len: int, max_new_tokens: int) -> list[int]:
+  """Cache slots of each phase of the unrolled decode: the feed-back steps (max_new_tokens - 1)
+  cut into up to DECODE_PHASES equal parts of at least DECODE_PHASE_MIN steps. A step attends
+  over its phase's whole cache, so the cost follows the filled length to within a phase, and
+  the compiled program holds at most DECODE_PHASES decode loops, whatever the length."""
+  steps = max_new_tokens - 1
+  phases = min(DECODE_PHASES, max(1, steps // DECODE_PHASE_MIN))
+  return [prompt_len + -(-steps * j // phases) for j in range(1, phases + 1)]
 
 
 def sample(
@@ -376,12 +387,15 @@ def sample(
   output does not depend on `group_size` or `decode_block` (up to float rounding).
   group_size: G when rows come in B / G runs of G identical prompts (`detect_group_size`): each
   prompt's prefill runs once. Rows that differ within a run would get the run's first prompt.
-  decode_block: cache slots per key block of the decode step's attention, which reads the blocks
-  up to the filled length only; >= P + max_new_tokens - 1 attends over the whole cache at once.
-  unroll_layers: the decode step runs its layers unrolled on a copy of each layer's weights made
-  once per call, not as a scan over the stacked weights (whose per-layer slice is a copy at every
-  step on CPU: up to a third of a small model's step). Costs that copy's memory while sampling
-  and a decode body per layer in the compile; None = on CPU only.
+  decode_block (scan decode): cache slots per key block of the decode step's attention, which
+  reads the blocks up to the filled length only; >= P + max_new_tokens - 1 attends over the whole
+  cache at once.
+  unroll_layers: the unrolled decode (module docstring): layers unrolled on a copy of each layer's
+  weights (and of an untied head, transposed) made once per call (a scan's per-layer slice of the
+  stacked weights is a copy at every step on CPU: up to a third of a small model's step), the
+  cache per layer and grown in phases (`model.decode_weights`, `Transformer.decode_step`). Costs
+  that copy's memory while sampling and a decode body per layer and phase in the compile;
+  None = on CPU only.
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
@@ -400,11 +414,16 @@ def sample(
   cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
   if unroll_layers is None:
     unroll_layers = jax.default_backend() == "cpu"
-  layer_weights = model_lib.unstack_layers(model) if unroll_layers else None
+  if unroll_layers:
+    weights = model_lib.decode_weights(model)
+    cache = model_lib.LayerCache.from_stacked(cache)
+    ends = phase_ends(prompt_len, n)
+  else:
+    ends = [prompt_len + n - 1]  # the last token drawn is never fed back
   k = sampling.num_topk
   state = SamplerState(
     step=jnp.int32(0),
-    cache=_grow(cache, prompt_len + n - 1),  # the last token drawn is never fed back
+    cache=cache,
     last_token=jnp.zeros((batch,), jnp.int32),
     position=positions[:, -1],
     done=jnp.zeros((batch,), bool),
@@ -420,20 +439,22 @@ def sample(
 
   def body(s: SamplerState) -> SamplerState:
     # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
-    hidden, new_cache = model(
-      s.last_token[:, None],
-      s.position[:, None],
-      attn_mask=~s.done[:, None],
-      cache=s.cache,
-      cache_index=prompt_len + s.step - 1,
-      cache_block=decode_block,
-      layer_weights=layer_weights,
-    )
-    logits = model.logits(hidden[:, 0]).astype(jnp.float32)
+    args = (s.last_token[:, None], s.position[:, None])
+    slot = prompt_len + s.step - 1
+    if unroll_layers:
+      logits, new_cache = model.decode_step(*args, ~s.done[:, None], s.cache, slot, weights)
+    else:
+      hidden, new_cache = model(
+        *args, attn_mask=~s.done[:, None], cache=s.cache, cache_index=slot, cache_block=decode_block
+      )
+      logits = model.logits(hidden[:, 0])
     drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
     return _record(s.replace(cache=new_cache), *drawn, sampling)
 
-  s = jax.lax.while_loop(lambda s: (s.step < n) & ~jnp.all(s.done), body, state)
+  s = state
+  for end in ends:  # steps up to end - P write the slots < end
+    s = s.replace(cache=s.cache.grow(end))
+    s = jax.lax.while_loop(lambda s, e=end: (s.step <= e - prompt_len) & ~jnp.all(s.done), body, s)
   return SampleOutput(
     tokens=s.tokens,
     logprobs=s.logprobs,

@@ -156,6 +156,37 @@ def test_kv_cache_matches_full_forward(policy):
   np.testing.assert_array_equal(np.asarray(cache.mask), np.pad(mask, ((0, 0), (0, 3))))
 
 
+def test_decode_step_matches_full_forward(policy):
+  """The unrolled decode step (`decode_weights`, a `LayerCache` made from a prefill's stacked
+  cache and grown on the way, as the sampler's phases do) gives the full forward's logits."""
+  tokens, mask, positions, _ = _batch()
+  want = np.asarray(policy.logits(_hidden(policy, tokens, mask, positions)))
+  graphdef, state = nnx.split(policy)
+
+  @jax.jit
+  def decode(state):
+    m = nnx.merge(graphdef, state)
+    first = (tokens[:, :9], positions[:, :9])
+    _, prefill = m(*first, attn_mask=mask[:, :9], cache=model.init_cache(CFG, 3, 9), cache_index=0)
+    cache = model.LayerCache.from_stacked(prefill).grow(11)
+    weights = model.decode_weights(m)
+    out = []
+    for i in range(9, 13):
+      cache = cache.grow(16) if i == 11 else cache
+      logits, cache = m.decode_step(
+        tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache, i, weights
+      )
+      out.append(logits)
+    return jnp.stack(out, axis=1), cache
+
+  got, cache = decode(state)
+  np.testing.assert_allclose(np.asarray(got), want[:, 9:13], atol=1e-4)
+  K, Dh = CFG.num_kv_heads, CFG.head_dim
+  assert [k.shape for k in cache.k] == [(3, K, Dh, 16)] * CFG.num_layers  # keys transposed
+  assert [v.shape for v in cache.v] == [(3, K, 16, Dh)] * CFG.num_layers
+  np.testing.assert_array_equal(np.asarray(cache.mask), np.pad(mask, ((0, 0), (0, 3))))
+
+
 def test_bfloat16_compute_is_finite_and_close(policy):
   tokens, mask, positions, targets = _batch()
   bf = nnx.merge(

@@ -4,6 +4,7 @@ All tests share one model, one prompt batch and one max_new_tokens, so each dist
 compiles once (module-scoped fixtures cache the outputs).
 """
 
+import functools
 import re
 
 import jax
@@ -320,10 +321,18 @@ GROUPED = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17], [40, 41
 G = 4
 
 
-def _sample(model, tokens, mask, sampling, key=0, **kw):
+_SAMPLE_KW = ("group_size", "decode_block", "unroll_layers")
+
+
+def _sample(model, tokens, mask, sampling, key=0, fresh=False, **kw):
+  """`sampler.sample` compiled with the keywords static: unroll_layers=False is the scan decode
+  (blockwise over `decode_block`-slot cache blocks), True (the CPU default) the unrolled one.
+  fresh: traced anew (jit shares traces between wrappers of one function: a test that patches a
+  module constant must not reuse, or leave behind, a trace made under another value)."""
   graphdef, params = nnx.split(model)
-  out = sampler.sample_jit(graphdef, params, tokens, mask, jax.random.key(key), sampling, **kw)
-  return jax.device_get(out)
+  fun = functools.partial(sampler.sample) if fresh else sampler.sample
+  fn = jax.jit(fun, static_argnums=(0, 5), static_argnames=_SAMPLE_KW)
+  return jax.device_get(fn(graphdef, params, tokens, mask, jax.random.key(key), sampling, **kw))
 
 
 def _assert_same(a, b, atol=1e-6):
@@ -349,18 +358,56 @@ def test_detect_group_size():
 
 @pytest.mark.parametrize("name", ["greedy", "tempered", "truncated"])
 def test_blockwise_decode_equals_whole_cache_attention(model, prompts, outputs, name):
-  """Decode steps that attend over the filled cache blocks only (blocks of 2 or 5 of the P + N - 1
-  = 19 slots: a traced number of blocks, the last one clamped to overlap its neighbour) draw the
-  same tokens, log-probs and top-K under the same key as attention over the whole cache at once
-  (one block: `generate`'s default block holds all 19 slots)."""
+  """The scan decode (TPU / GPU) attending over the filled cache blocks only (blocks of 2 or 5 of
+  the P + N - 1 = 19 slots: a traced number of blocks, the last one clamped to overlap its
+  neighbour) draws the same tokens, log-probs and top-K under the same key as attention over the
+  whole cache at once (one block of 19 slots, and `generate`'s unrolled decode on CPU)."""
   kw = {"greedy": dict(greedy=True), "tempered": dict(temperature=TEMPERATURE, num_topk=4)}
   kw = kw.get(name, TRUNCATED)
-  one = outputs(name, **kw)  # through `generate`: one block
+  one = outputs(name, **kw)  # through `generate`: the unrolled decode, one phase
   assert sampler.DECODE_BLOCK >= prompts[0].shape[1] + N - 1
+  assert len(sampler.phase_ends(prompts[0].shape[1], N)) == 1
   sampling = sampler.SamplingParams(max_new_tokens=N, stop_ids=(), pad_id=0, **kw)
-  for block in (2, 5):
-    _assert_same(one, _sample(model, *prompts, sampling, decode_block=block))
+  for block in (2, 5, sampler.DECODE_BLOCK):
+    _assert_same(one, _sample(model, *prompts, sampling, decode_block=block, unroll_layers=False))
   assert one.mask.all()
+
+
+@pytest.mark.parametrize("name", ["greedy", "tempered", "truncated"])
+def test_phased_decode_equals_one_phase(model, prompts, outputs, name, monkeypatch):
+  """The unrolled decode with its cache grown in 4 phases (the N - 1 = 11 feed-back steps cut
+  3 + 3 + 3 + 2) draws what one phase over the whole cache draws, and stops in a later phase's
+  loop as soon as every row has stopped."""
+  kw = {"greedy": dict(greedy=True), "tempered": dict(temperature=TEMPERATURE, num_topk=4)}
+  kw = kw.get(name, TRUNCATED)
+  one = outputs(name, **kw)
+  monkeypatch.setattr(sampler, "DECODE_PHASE_MIN", 2)
+  P = prompts[0].shape[1]
+  assert sampler.phase_ends(P, N) == [P + 3, P + 6, P + 9, P + 11]
+  sampling = sampler.SamplingParams(max_new_tokens=N, stop_ids=(), pad_id=0, **kw)
+  _assert_same(one, _sample(model, *prompts, sampling, unroll_layers=True, fresh=True))
+  # Stop at the tokens drawn at step 7 (third phase): each row ends at its first one, padded after
+  # in every later phase.
+  stop = {int(t) for t in one.tokens[:, 7]}
+  first = [next(j for j, t in enumerate(row) if int(t) in stop) for row in one.tokens]
+  early = sampler.SamplingParams(max_new_tokens=N, stop_ids=tuple(stop), pad_id=0, **kw)
+  out = _sample(model, *prompts, early, unroll_layers=True, fresh=True)
+  np.testing.assert_array_equal(out.lengths, np.array(first) + 1)
+  for r, n in enumerate(first):
+    np.testing.assert_array_equal(out.tokens[r, : n + 1], one.tokens[r, : n + 1])
+    assert (out.tokens[r, n + 1 :] == 0).all()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_unrolled_decode_equals_scan_decode(prompts, tied):
+  """The CPU decode (layers unrolled, cache per layer with keys transposed, an untied head
+  transposed once per call) draws what the scan decode draws, for a tied and an untied head."""
+  cfg = architectures.get("tiny", tie_word_embeddings=tied)
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(1))
+  sampling = sampler.SamplingParams(max_new_tokens=N, temperature=TEMPERATURE, num_topk=3)
+  scan = _sample(model, *prompts, sampling, unroll_layers=False)
+  _assert_same(scan, _sample(model, *prompts, sampling, unroll_layers=True))
+  assert len({tuple(r) for r in scan.tokens}) == len(PROMPTS)
 
 
 def test_shared_prefill_equals_per_row_prefill(model):
@@ -406,22 +453,30 @@ def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkey
   assert len(draws) == 1 and (out.lengths == 1).all()
 
 
-def test_decode_is_one_program_for_every_length(model, prompts):
-  """One traced decode serves every max_new_tokens: the lowered program runs the same operations
-  for 12, 300 and 5000 new tokens (only buffer shapes differ), so compile time does not grow with
-  the length (a loop or a cache bucket per length would add operations)."""
+def test_decode_program_does_not_grow_with_the_length(model, prompts):
+  """The scan decode is one traced program for every max_new_tokens: the same operations for 12,
+  300 and 5000 new tokens (only buffer shapes differ). The unrolled decode adds one decode loop
+  per phase, up to DECODE_PHASES: the same program from 4 x DECODE_PHASE_MIN steps on (600,
+  5000, 50000 new tokens), so compile time does not grow with the length."""
   graphdef, params = nnx.split(model)
 
-  def ops(n, **kw):
+  def ops(n, unroll, **kw):
     sampling = sampler.SamplingParams(max_new_tokens=n, **kw)
-    fn = jax.jit(sampler.sample, static_argnums=(0, 5))
-    text = fn.lower(graphdef, params, *prompts, jax.random.key(0), sampling).as_text()
-    return re.findall(r"= (?:\"?)(\w+\.\w+)", text)
+    fun = functools.partial(sampler.sample)  # traced anew (see `_sample`)
+    fn = jax.jit(fun, static_argnums=(0, 5), static_argnames="unroll_layers")
+    key = jax.random.key(0)
+    lowered = fn.lower(graphdef, params, *prompts, key, sampling, unroll_layers=unroll)
+    return re.findall(r"= (?:\"?)(\w+\.\w+)", lowered.as_text())
 
   for kw in (dict(temperature=TEMPERATURE), dict(greedy=True, stop_ids=(2,)), TRUNCATED):
-    short = ops(N, **kw)
+    short = ops(N, False, **kw)
     assert len(short) > 100 and "stablehlo.while" in short
-    assert ops(300, **kw) == short == ops(5000, **kw), kw
+    assert ops(300, False, **kw) == short == ops(5000, False, **kw), kw
+    one_phase = ops(N, True, **kw)
+    longest = ops(50_000, True, **kw)
+    assert ops(600, True, **kw) == longest == ops(5000, True, **kw), kw
+    extra = longest.count("stablehlo.while") - one_phase.count("stablehlo.while")
+    assert extra == sampler.DECODE_PHASES - 1, (extra, kw)
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
