@@ -92,10 +92,16 @@ class KVCache:
     extra = slots - self.mask.shape[1]
     if extra <= 0:
       return self
-    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
     return KVCache(
-      k=pad_kv(self.k), v=pad_kv(self.v), mask=jnp.pad(self.mask, ((0, 0), (0, extra)))
+      k=_pad_axis(self.k, 2, extra),
+      v=_pad_axis(self.v, 2, extra),
+      mask=_pad_axis(self.mask, 1, extra),
     )
+
+
+def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
+  """x with `extra` zeros (False) appended along `axis`."""
+  return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
 @flax.struct.dataclass
@@ -126,11 +132,10 @@ class LayerCache:
     extra = slots - self.mask.shape[1]
     if extra <= 0:
       return self
-    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
     return LayerCache(
-      k=tuple(pad(x, 3) for x in self.k),
-      v=tuple(pad(x, 2) for x in self.v),
-      mask=pad(self.mask, 1),
+      k=tuple(_pad_axis(x, 3, extra) for x in self.k),
+      v=tuple(_pad_axis(x, 2, extra) for x in self.v),
+      mask=_pad_axis(self.mask, 1, extra),
     )
 
 
