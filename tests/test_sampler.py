@@ -457,16 +457,19 @@ def test_decode_program_does_not_grow_with_the_length(model, prompts):
   """The scan decode is one traced program for every max_new_tokens: the same operations for 12,
   300 and 5000 new tokens (only buffer shapes differ). The unrolled decode adds one decode loop
   per phase, up to DECODE_PHASES: the same program from 4 x DECODE_PHASE_MIN steps on (600,
-  5000, 50000 new tokens), so compile time does not grow with the length."""
+  5000, 50000 new tokens), so compile time does not grow with the length; each of its loops
+  carries the cache of its own phase, up to `phase_ends`."""
   graphdef, params = nnx.split(model)
 
-  def ops(n, unroll, **kw):
+  def lowered(n, unroll, **kw):
     sampling = sampler.SamplingParams(max_new_tokens=n, **kw)
     fun = functools.partial(sampler.sample)  # traced anew (see `_sample`)
     fn = jax.jit(fun, static_argnums=(0, 5), static_argnames="unroll_layers")
     key = jax.random.key(0)
-    lowered = fn.lower(graphdef, params, *prompts, key, sampling, unroll_layers=unroll)
-    return re.findall(r"= (?:\"?)(\w+\.\w+)", lowered.as_text())
+    return fn.lower(graphdef, params, *prompts, key, sampling, unroll_layers=unroll).as_text()
+
+  def ops(n, unroll, **kw):
+    return re.findall(r"= (?:\"?)(\w+\.\w+)", lowered(n, unroll, **kw))
 
   for kw in (dict(temperature=TEMPERATURE), dict(greedy=True, stop_ids=(2,)), TRUNCATED):
     short = ops(N, False, **kw)
@@ -477,6 +480,12 @@ def test_decode_program_does_not_grow_with_the_length(model, prompts):
     assert ops(600, True, **kw) == longest == ops(5000, True, **kw), kw
     extra = longest.count("stablehlo.while") - one_phase.count("stablehlo.while")
     assert extra == sampler.DECODE_PHASES - 1, (extra, kw)
+  # The keys the decode loops carry, [B, K, Dh, S] per layer: S is each phase's end in turn.
+  (B, P), cfg = prompts[0].shape, model.cfg
+  keys = re.compile(rf"tensor<{B}x{cfg.num_kv_heads}x{cfg.head_dim}x(\d+)xf32>")
+  lines = lowered(5000, True, greedy=True).splitlines()
+  slots = [{int(s) for s in keys.findall(line)} for line in lines if "stablehlo.while" in line]
+  assert [s for s in slots if s] == [{end} for end in sampler.phase_ends(P, 5000)], slots
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)])
