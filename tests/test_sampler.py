@@ -411,12 +411,12 @@ def test_unrolled_decode_equals_scan_decode(prompts, tied):
 
 
 def test_shared_prefill_equals_per_row_prefill(model):
-  """Each prompt's prefill runs once for its G rows (and the decode reads blocks of 4 slots): the
-  same output as one prefill per row and one block, and the G samples of a prompt still differ
-  (every row draws its own uniforms)."""
+  """Each prompt's prefill runs once for its G rows (here with the scan decode reading blocks of 4
+  slots): the same output as one prefill per row and the unrolled decode, and the G samples of a
+  prompt still differ (every row draws its own uniforms)."""
   tokens, mask = sampler.left_pad([p for p in GROUPED for _ in range(G)], length=8)
   sampling = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, num_topk=2, pad_id=0)
-  shared = _sample(model, tokens, mask, sampling, group_size=G, decode_block=4)
+  shared = _sample(model, tokens, mask, sampling, group_size=G, decode_block=4, unroll_layers=False)
   per_row = _sample(model, tokens, mask, sampling, group_size=1)
   _assert_same(shared, per_row, atol=2e-6)
   for g in range(len(GROUPED)):
@@ -440,7 +440,7 @@ def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkey
   monkeypatch.setattr(sampler, "_sample_token", counted)
   stop = tuple(sorted({int(t) for t in greedy.tokens[:, 4]}))  # each row stops by step 4
   sampling = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=stop, pad_id=11)
-  out = _sample(model, *prompts, sampling, decode_block=2)
+  out = _sample(model, *prompts, sampling, fresh=True)
   longest = int(out.lengths.max())
   assert longest <= 5 < N and (out.lengths < N).all()
   jax.effects_barrier()
@@ -448,7 +448,7 @@ def test_decode_stops_when_every_row_has_stopped(model, prompts, outputs, monkey
   # Every row stopping at its first token: no decode step at all.
   draws.clear()
   everything = sampler.SamplingParams(max_new_tokens=N, greedy=True, stop_ids=tuple(range(64)))
-  out = _sample(model, *prompts, everything, decode_block=2)
+  out = _sample(model, *prompts, everything, fresh=True)
   jax.effects_barrier()
   assert len(draws) == 1 and (out.lengths == 1).all()
 
