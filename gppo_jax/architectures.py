@@ -21,7 +21,7 @@ from gppo_jax import attention, errors
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION = ("auto", "dense", "blockwise", "cudnn", "splash")  # = attention.IMPLEMENTATIONS
+ATTENTION = attention.IMPLEMENTATIONS  # ModelConfig.attention: attention.py's implementations
 # Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory);
 # "attention" also keeps the blockwise attention's output and log-sum-exp (attention.SAVED_NAMES:
 # O(T) per layer), so the backward does not rerun the attention forward (with dense, cuDNN or
