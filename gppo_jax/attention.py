@@ -43,7 +43,13 @@ IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelCo
 # 10-25% faster than dense on the tiny and small Qwen2 shapes; at the default run's 17 tokens
 # dense is ~5% faster.
 DENSE_MAX_LEN = 128
-BLOCK_SIZE = 512  # blockwise tile (queries and keys); splash uses SPLASH_BLOCK
+BLOCK_SIZE = 512  # blockwise tile (queries and keys) on GPU / TPU; CPU: `block_size`
+# CPU blockwise tile: about a quarter of the sequence, within these bounds. Measured with
+# benchmarks/attention.py (forward + backward, 2 cores): at 256 tokens 64-token tiles take about
+# half the time of one 256-token tile (causal block skipping, and blocks that stay in cache);
+# from ~1,024 tokens on, 256-token tiles beat both 512 (more wasted work above the diagonal) and
+# 64-128 (per-tile loop overhead).
+CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 256
 # Key block of the scan decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
 SPLASH_BLOCK = 512
@@ -69,6 +75,14 @@ def resolve(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | Non
   return "dense" if seq_len <= DENSE_MAX_LEN else "blockwise"
 
 
+def block_size(seq_len: int, backend: str | None = None) -> int:
+  """The blockwise tile `attention` uses for `seq_len` tokens on `backend` (default: jax's)."""
+  if (backend or jax.default_backend()) != "cpu":
+    return BLOCK_SIZE
+  quarter = 1 << max(0, (seq_len // 4).bit_length() - 1)  # a power of two <= seq_len / 4
+  return min(CPU_BLOCK_MAX, max(CPU_BLOCK_MIN, quarter))
+
+
 def attention(
   q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "auto"
 ) -> jax.Array:
@@ -78,7 +92,7 @@ def attention(
   if name == "dense":
     return dense_fused(q, k, v, self_allowed(mask))
   if name == "blockwise":
-    return blockwise(q, k, v, mask)
+    return blockwise(q, k, v, mask, block_size=block_size(q.shape[1]))
   if name == "cudnn":
     return cudnn(q, k, v, mask)
   return splash(q, k, v, mask)

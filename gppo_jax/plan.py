@@ -220,7 +220,7 @@ def analytic_activation_bytes(
   elif impl == "dense":
     attn = 3 * rows * heads * seq * seq * 4
   else:
-    block = min(seq, attention.BLOCK_SIZE)
+    block = min(seq, attention.block_size(seq, backend))
     attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
   if cfg.remat == "attention" and impl == "blockwise":
@@ -262,6 +262,8 @@ def plan(
     # pure-JAX kernel of the same linear memory class, keeping nothing the target would not:
     # remat "attention" keeps blockwise's residuals, which cuDNN and splash recompute ("full").
     notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
+    # (Blockwise tiles here are CPU's, `attention.block_size`: at most 256 tokens against 512 on
+    # the target, a small share of the memory next to the O(T) terms.)
     remat = "full" if cfg.remat == "attention" else cfg.remat
     cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat)
   elif compile:

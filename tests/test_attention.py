@@ -104,6 +104,23 @@ def test_float32_equals_dense(name):
   _check(name, cases, atol=2e-5)
 
 
+def test_cpu_blockwise_tiles_follow_the_length_and_equal_dense():
+  """On CPU `attention` tiles blockwise by length: a power of two near a quarter of it, within
+  [CPU_BLOCK_MIN, CPU_BLOCK_MAX]; other backends keep BLOCK_SIZE. At 300 tokens that is five
+  64-token tiles, the last one ragged, and the result equals dense in output and gradients."""
+  bs = attn.block_size
+  assert [bs(t, "cpu") for t in (129, 256, 300, 512, 1024, 4096)] == [64, 64, 64, 128, 256, 256]
+  assert bs(4096, "tpu") == bs(4096, "gpu") == attn.BLOCK_SIZE
+  assert attn._tile(300, bs(300, "cpu")) == (64, 5)
+  blockwise = functools.partial(attn.attention, impl="blockwise")
+  (q, k, v, mask, w), want = _case(B=2, T=300, seed=7)
+  got = _out_and_grads(blockwise, q, k, v, mask, w)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+  # The tile is what the compiled program loops over: [B, K, G, 64, Dh] query blocks.
+  text = jax.jit(lambda q: blockwise(q, k, v, mask)).lower(q).as_text()
+  assert "tensor<2x2x2x64x16xf32>" in text and "tensor<2x2x2x512x16xf32>" not in text
+
+
 @pytest.mark.parametrize(
   "name",
   ["dense", "blockwise", pytest.param("splash", marks=pytest.mark.slow)]

@@ -1,0 +1,101 @@
+"""Causal self-attention, forward + backward, by implementation and blockwise tile (CPU).
+
+For each shape it times the gradient of one attention call (what one layer of a training step
+runs) for dense attention and for blockwise attention at several tiles, repeats interleaved
+(this machine's speed drifts), medians compared, and prints each one's time relative to the tile
+`attention.block_size` picks for that length (the training default on this backend). Ends with
+one JSON line.
+
+  python benchmarks/attention.py                                   # the default shapes
+  python benchmarks/attention.py --shapes 16x256x4x2x32,2x1024x8x4x64 --tiles 64,128,256,512
+
+A shape is BxTxHxKxDh: rows, tokens, query heads, key/value heads, head size. The defaults are
+the tiny and small shapes of benchmarks/train_step.py and a 1k / 2k-token row of the small one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gppo_jax import attention  # noqa: E402
+
+SHAPES = "16x256x4x2x32,8x256x8x4x64,4x512x8x4x64,2x1024x8x4x64,1x2048x8x4x64"
+DENSE_MAX_T = 1024  # dense's [T, T] scores per head: skipped beyond this length
+
+
+def grad_fn(impl: str, tile: int | None = None):
+  """jit(q, k, v, mask) -> d/d(q, k, v) of sum(sin(attention)) for `impl`."""
+
+  def attend(q, k, v, mask):
+    if impl == "dense":
+      return attention.attention(q, k, v, mask, impl="dense")
+    return attention.blockwise(q, k, v, mask, block_size=tile)
+
+  loss = lambda q, k, v, mask: jnp.sum(jnp.sin(attend(q, k, v, mask)))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def bench_shape(shape: tuple[int, ...], tiles: list[int], repeats: int, inner: int) -> dict:
+  B, T, H, K, Dh = shape
+  rng = np.random.default_rng(0)
+  draw = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = draw(B, T, H, Dh), draw(B, T, K, Dh), draw(B, T, K, Dh)
+  mask = jnp.ones((B, T), bool)
+  chosen = attention.block_size(T)
+  methods = {f"blockwise/{t}": grad_fn("blockwise", t) for t in sorted({*tiles, chosen}) if t <= T}
+  if T <= DENSE_MAX_T:
+    methods["dense"] = grad_fn("dense")
+  ref = None
+  for name, fn in methods.items():  # compile, and check that all agree
+    g = jax.block_until_ready(fn(q, k, v, mask))
+    ref = g if ref is None else ref
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g, ref, strict=True))
+    if err > 1e-3:
+      raise SystemExit(f"{name} differs from {next(iter(methods))} by {err} at shape {shape}")
+  times = {name: [] for name in methods}
+  for _ in range(repeats):
+    for name, fn in methods.items():
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        jax.block_until_ready(fn(q, k, v, mask))
+      times[name].append((time.perf_counter() - t0) / inner)
+  med = {name: statistics.median(ts) for name, ts in times.items()}
+  base = med[f"blockwise/{chosen}"]
+  backend = jax.default_backend()
+  print(f"\n[B={B}, T={T}, H={H}, K={K}, Dh={Dh}]  chosen tile on {backend}: {chosen}")
+  print(f"  {'method':<18}{'ms':>10}{'vs chosen':>11}")
+  for name, s in med.items():
+    print(f"  {name:<18}{s * 1e3:>10.2f}{s / base:>10.2f}x")
+  return {"shape": list(shape), "chosen_tile": chosen, "ms": {n: s * 1e3 for n, s in med.items()}}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--shapes", default=SHAPES, help="comma-separated BxTxHxKxDh")
+  ap.add_argument("--tiles", default="64,128,256,512", help="blockwise tiles to time")
+  ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--inner", type=int, default=3, help="calls per timed repeat")
+  args = ap.parse_args()
+  tiles = [int(t) for t in args.tiles.split(",")]
+  shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+  for s in shapes:
+    if len(s) != 5:
+      raise SystemExit(f"--shapes: {s} is not BxTxHxKxDh")
+  results = [bench_shape(s, tiles, args.repeats, args.inner) for s in shapes]
+  print(json.dumps({"benchmark": "attention", "backend": jax.default_backend(), "shapes": results}))
+
+
+if __name__ == "__main__":
+  main()
