@@ -50,6 +50,23 @@ def test_update_memory_benchmark_blockwise_grows_slower_than_dense(tmp_path):
   assert block["2048"] < dense["2048"] / 2, gib
 
 
+def test_attention_benchmark_times_each_tile_against_the_chosen_one(tmp_path):
+  """A bounded run: every tile up to T, the chosen one (64 on CPU, longer than these 48 tokens)
+  and dense, all agreeing (the script exits otherwise), the chosen one as the 1.00x baseline."""
+  p = _run(
+    tmp_path, "attention.py", "--shapes", "2x48x2x1x8", "--tiles", "8,16,128", "--repeats", "1",
+    "--inner", "1",
+  )  # fmt: skip
+  assert p.returncode == 0, p.stderr[-2000:]
+  result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+  (shape,) = result["shapes"]
+  assert shape["chosen_tile"] == 64
+  assert sorted(shape["ms"]) == ["blockwise/16", "blockwise/64", "blockwise/8", "dense"]
+  assert all(ms > 0 for ms in shape["ms"].values())
+  rows = {ln.split()[0]: ln.split()[-1] for ln in p.stdout.splitlines() if ln.startswith("  ")}
+  assert rows["blockwise/64"] == "1.00x", p.stdout
+
+
 def _load(script):
   import importlib.util
 
