@@ -12,7 +12,8 @@ Every parameter carries logical axis names (`out_sharding` metadata on `nnx.Para
 table in `partitioning.py` maps them to mesh axes, so sharding never touches this file.
 
 Training reads log-probs through `chunked_logprobs`, which walks the sequence in chunks under
-`jax.checkpoint` so the [B, T, vocab] float32 logits never exist at once, not even under grad.
+`jax.checkpoint` so the [B, T, vocab] float32 logits never exist at once, not even under grad
+(unless they are small: `ONE_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
@@ -529,6 +530,14 @@ def _project(hidden, w, tied):
 # --------------------------------------------------------------------------------------------
 
 
+# `chunked_logprob_stats` with chunk_size None: logits of at most this many bytes ([B, T, V]
+# float32) are built in one piece, without the checkpointed chunk loop (no padding to whole
+# chunks, no head recomputed in the backward): the tiny train step of benchmarks/train_step.py
+# took 0.94x-0.98x the time, in one process. Larger ones go in chunks of CHUNK_SIZE positions.
+ONE_CHUNK_BYTES = 32 << 20
+CHUNK_SIZE = 128
+
+
 def chunked_logprob_stats(
   hidden: jax.Array,
   w: jax.Array,
@@ -536,7 +545,7 @@ def chunked_logprob_stats(
   *,
   tied: bool = False,
   temperature: float = 1.0,
-  chunk_size: int = 128,
+  chunk_size: int | None = None,
   gather_ids: jax.Array | None = None,
   entropy: bool = False,
   top_k: int = 0,
@@ -545,7 +554,8 @@ def chunked_logprob_stats(
 
   hidden [B, T, D]; w [D, V] ([V, D] if tied); targets int [B, T]; gather_ids int [B, T, K].
   Each chunk's float32 logits [B, chunk, V] are built and dropped inside a `jax.checkpoint`ed
-  scan step, so neither the forward nor the gradient ever holds all [B, T, V] logits.
+  scan step, so neither the forward nor the gradient ever holds all [B, T, V] logits. chunk_size
+  None: one plain piece when those logits take at most ONE_CHUNK_BYTES, else CHUNK_SIZE.
   Returns float32 arrays: "logprobs" [B, T]; with entropy, "entropy" [B, T]; with gather_ids,
   "gathered_logprobs" [B, T, K]; with top_k > 0, "topk_logprobs" [B, T, k] and "topk_ids".
   """
@@ -554,7 +564,9 @@ def chunked_logprob_stats(
   n_target = 1
   if gather_ids is not None:
     ids = jnp.concatenate([ids, gather_ids.astype(ids.dtype)], axis=-1)
-  C = max(1, min(chunk_size, T))
+  vocab = w.shape[0] if tied else w.shape[1]
+  whole = chunk_size is None and B * T * vocab * 4 <= ONE_CHUNK_BYTES
+  C = T if whole else max(1, min(chunk_size or CHUNK_SIZE, T))
   n = -(-T // C)
   pad = n * C - T
   if pad:
@@ -563,7 +575,6 @@ def chunked_logprob_stats(
   h_chunks = hidden.reshape(B, n, C, -1).swapaxes(0, 1)
   id_chunks = ids.reshape(B, n, C, -1).swapaxes(0, 1)
 
-  @jax.checkpoint
   def chunk(w, h, i):
     logits = _project(h, w, tied) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -577,6 +588,8 @@ def chunked_logprob_stats(
       out["topk_ids"] = top_ids
     return out
 
+  if not whole:
+    chunk = jax.checkpoint(chunk)
   _, outs = jax.lax.scan(lambda c, x: (c, chunk(w, *x)), None, (h_chunks, id_chunks))
   unchunk = lambda a: a.swapaxes(0, 1).reshape(B, n * C, *a.shape[3:])[:, :T]
   outs = {k: unchunk(a) for k, a in outs.items()}

@@ -62,7 +62,8 @@ def test_project_equals_the_einsum_in_values_and_gradients(x_shape, w_shape, con
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_size", [5, 64])  # padded multi-chunk; one capped chunk
+# padded multi-chunk; one capped chunk; the default (these logits are small: one plain piece)
+@pytest.mark.parametrize("chunk_size", [5, 64, None])
 def test_chunked_stats_equal_naive(policy, chunk_size):
   tokens, mask, positions, targets = _batch()
   hidden = _hidden(policy, tokens, mask, positions)
@@ -84,9 +85,11 @@ def test_chunked_stats_equal_naive(policy, chunk_size):
   np.testing.assert_array_equal(stats["topk_ids"], top_ids)
 
 
+@pytest.mark.parametrize("chunk_size", [3, None])
 @pytest.mark.parametrize("tied", [False, True])
-def test_chunked_head_gradients_equal_naive(tied):
-  """d/d(hidden, W) of log-prob + entropy terms: the chunked scan under remat is exact."""
+def test_chunked_head_gradients_equal_naive(tied, chunk_size):
+  """d/d(hidden, W) of log-prob + entropy terms: the chunked scan under remat is exact, and so
+  is the default's single plain piece."""
   rng = np.random.default_rng(2)
   B, T, D, V = 2, 11, 16, 40
   hidden = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
@@ -96,7 +99,7 @@ def test_chunked_head_gradients_equal_naive(tied):
 
   def chunked(h, w):
     s = model.chunked_logprob_stats(
-      h, w, targets, tied=tied, temperature=0.8, chunk_size=3, entropy=True
+      h, w, targets, tied=tied, temperature=0.8, chunk_size=chunk_size, entropy=True
     )
     return jnp.sum(weights * (s["logprobs"] + 0.3 * s["entropy"]))
 
@@ -108,6 +111,26 @@ def test_chunked_head_gradients_equal_naive(tied):
 
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, w)
   chex.assert_trees_all_close(grad(chunked), grad(naive), atol=1e-5, rtol=1e-5)
+
+
+def test_default_head_chunks_and_rematerialises_only_large_logits(monkeypatch):
+  """chunk_size None: logits within ONE_CHUNK_BYTES run as one piece without remat; past it the
+  head walks CHUNK_SIZE-position chunks under jax.checkpoint, as an explicit chunk_size does."""
+  B, T, D, V = 2, 300, 8, 64
+  h, w = jnp.zeros((B, T, D)), jnp.zeros((D, V))
+  targets = jnp.zeros((B, T), jnp.int32)
+
+  def program(**kw):
+    loss = lambda h: jnp.sum(model.chunked_logprob_stats(h, w, targets, **kw)["logprobs"])
+    return str(jax.make_jaxpr(jax.grad(loss))(h))
+
+  assert B * T * V * 4 <= model.ONE_CHUNK_BYTES
+  assert "checkpoint" not in program() and "remat" not in program()
+  assert "checkpoint" in program(chunk_size=128) or "remat" in program(chunk_size=128)
+  monkeypatch.setattr(model, "ONE_CHUNK_BYTES", B * T * V * 4 - 1)
+  big = program()
+  assert "checkpoint" in big or "remat" in big
+  assert f"{B},{model.CHUNK_SIZE},{V}" in big.replace(" ", "")  # [B, 128, V] chunk logits
 
 
 def test_left_padding_and_causality(policy):
