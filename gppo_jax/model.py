@@ -533,7 +533,7 @@ def _project(hidden, w, tied):
 # `chunked_logprob_stats` with chunk_size None: logits of at most this many bytes ([B, T, V]
 # float32) are built in one piece, without the checkpointed chunk loop (no padding to whole
 # chunks, no head recomputed in the backward): the tiny train step of benchmarks/train_step.py
-# took 0.94x-0.98x the time, in one process. Larger ones go in chunks of CHUNK_SIZE positions.
+# took 0.94x-0.99x the time, in one process. Larger ones go in chunks of CHUNK_SIZE positions.
 ONE_CHUNK_BYTES = 32 << 20
 CHUNK_SIZE = 128
 
