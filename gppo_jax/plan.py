@@ -257,13 +257,14 @@ def plan(
   n, p, r = rollout_shape(config)
   notes = []
   impl = attention_impl(cfg, p + r - 1, backend)
+  # A compiled blockwise attention (the target's own, or the stand-in below) has CPU's tiles,
+  # `attention.block_size`: at most 256 tokens against 512 on a GPU or TPU, a small share of the
+  # memory next to the O(T) terms.
   if compile and impl not in ("dense", "blockwise"):
     # The compile runs here (CPU): the target's fused kernel is compiled as blockwise, the
     # pure-JAX kernel of the same linear memory class, keeping nothing the target would not:
     # remat "attention" keeps blockwise's residuals, which cuDNN and splash recompute ("full").
     notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
-    # (Blockwise tiles here are CPU's, `attention.block_size`: at most 256 tokens against 512 on
-    # the target, a small share of the memory next to the O(T) terms.)
     remat = "full" if cfg.remat == "attention" else cfg.remat
     cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat)
   elif compile:
