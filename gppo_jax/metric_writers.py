@@ -44,7 +44,9 @@ def tensorboardx():
   try:
     import tensorboardX
     import tensorboardX.proto.event_pb2
+    import tensorboardX.proto.summary_pb2
     import tensorboardX.record_writer
+    import tensorboardX.summary
   finally:
     if hide and sys.modules.get("torch", 0) is None:
       del sys.modules["torch"]
@@ -90,7 +92,9 @@ class MetricWriter:
       truncate_jsonl(self.jsonl_path, resume_step)
       truncate_tensorboard(os.path.join(log_dir, "tensorboard"), resume_step)
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
-    self._tb = tensorboardx().SummaryWriter(os.path.join(log_dir, "tensorboard"))
+    # One event per step holding every scalar: an event per scalar (SummaryWriter.add_scalar)
+    # cost ~7 ms of each iteration of the default run, a queue hand-off for each of ~50 values.
+    self._tb = tensorboardx().FileWriter(os.path.join(log_dir, "tensorboard"))
     if progress:
       from tqdm.auto import tqdm
 
@@ -115,14 +119,16 @@ class MetricWriter:
     }
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
-      for k, v in values.items():
-        self._tb.add_scalar(_tb_name(k), v, int(step))
+      summary = tensorboardx().proto.summary_pb2.Summary
+      scalars = [summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()]
+      self._tb.add_summary(summary(value=scalars), int(step))
 
   def histogram(self, step: int, tag: str, histogram: dict[str, Any]) -> None:
-    """A histogram to TensorBoard: the keyword arguments of tensorboardX's add_histogram_raw
+    """A histogram to TensorBoard: the keyword arguments of tensorboardX.summary.histogram_raw
     (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
     if self._tb is not None:
-      self._tb.add_histogram_raw(_tb_name(tag), global_step=int(step), **histogram)
+      summary = tensorboardx().summary.histogram_raw(_tb_name(tag), **histogram)
+      self._tb.add_summary(summary, int(step))
 
   def advance(self, n: int = 1) -> None:
     if self._bar is None:

@@ -4,6 +4,7 @@ the plot command."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from gppo_jax import diagnostics as dg
-from gppo_jax import estimators, objective
+from gppo_jax import estimators, metric_writers, objective
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compiled once per input structure: op-by-op dispatch of its many small reductions is slower.
@@ -256,7 +257,7 @@ def tiny_policy_batch(n=8, prompt_len=5, resp_len=6, k=4, seed=0):
   return graphdef, params, moved, batch, prompt_len
 
 
-def test_make_diagnostics_fn_on_a_tiny_policy():
+def test_make_diagnostics_fn_on_a_tiny_policy(tmp_path):
   from flax import nnx
 
   graphdef, params, moved, batch, prompt_len = tiny_policy_batch()
@@ -309,14 +310,22 @@ def test_make_diagnostics_fn_on_a_tiny_policy():
     for suffix in ("corr", "err_var", "mask_agree", "masked_frac/q<0.1", "masked_frac/neg"):
       assert f"diag/{e}/{suffix}" in m
   assert float(np.sum(m["diag/ratio_hist"])) == valid.sum()
-  # The histogram's fields are what tensorboardX's add_histogram_raw takes.
-  from tensorboardX import SummaryWriter
+  # The histogram's fields are what tensorboardX's histogram_raw takes: the trainer's writer
+  # puts it in an event file, and the event read back holds it.
+  from tensorboardX.proto import event_pb2
 
   hist = dg.tensorboard_histogram(jax.device_get(m))
   assert len(hist["bucket_limits"]) == len(hist["bucket_counts"]) and hist["num"] == valid.sum()
-  SummaryWriter(os.path.join(os.environ.get("TMPDIR", "/tmp"), "diag_tb_test")).add_histogram_raw(
-    "diag/log_ratio", global_step=0, **hist
-  )
+  w = metric_writers.MetricWriter(str(tmp_path), total_steps=1, enabled=True, progress=False)
+  w.histogram(3, "diag/log_ratio", hist)
+  w.close()
+  (path,) = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+  got = []
+  for payload in metric_writers._records(open(path, "rb").read()):
+    event = event_pb2.Event()
+    event.ParseFromString(payload)
+    got += [(event.step, v.tag, v.histo.num) for v in event.summary.value]
+  assert got == [(3, "diag/log_ratio", valid.sum())]
 
 
 def fake_metrics(path, rows=6):

@@ -273,7 +273,8 @@ def test_resume_truncation_drops_rows_and_events_past_the_step(tmp_path):
   for step in range(6):
     w.write(step, {"a/b": float(step), "c": 1.0})
   w.close()
-  assert metric_writers.truncate_tensorboard(str(tmp_path / "tensorboard"), 2) == 6
+  # One event per step holds all its scalars: steps 3-5 are three events.
+  assert metric_writers.truncate_tensorboard(str(tmp_path / "tensorboard"), 2) == 3
   events = tb_events(str(tmp_path))
   assert sorted(events) == sorted((t, s) for t in ("a/b", "c") for s in range(3))
   # The rewritten file is still a valid record stream that TensorBoard's framing accepts.
