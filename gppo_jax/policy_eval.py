@@ -11,6 +11,7 @@ warm start and `python -m gppo_jax.evaluate` (gppo_jax/evaluate.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -25,7 +26,8 @@ def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: 
   """Response texts: the masked tokens without the stop token."""
   tokens = np.asarray(tokens)
   keep = np.asarray(mask, bool) & ~np.isin(tokens, np.asarray(list(stop_ids), tokens.dtype))
-  return [tokenizer.decode(row[k].tolist()) for row, k in zip(tokens, keep, strict=True)]
+  rows = zip(tokens.tolist(), keep.tolist(), strict=True)  # Python lists: no numpy per row
+  return [tokenizer.decode(list(itertools.compress(row, k))) for row, k in rows]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -177,11 +178,11 @@ def left_pad(
     length = -(-longest // multiple) * multiple
   elif length < longest:
     raise ValueError(f"left_pad: length={length} is shorter than the longest prompt ({longest})")
+  # One flat copy (a row per prompt was ~5 us each: 2.6 ms of every default rollout's 512 rows).
+  lengths = np.fromiter(map(len, prompts), np.int64, len(prompts))
+  mask = np.arange(length)[None, :] >= (length - lengths)[:, None]
   tokens = np.full((len(prompts), length), pad_id, np.int32)
-  mask = np.zeros((len(prompts), length), bool)
-  for i, p in enumerate(prompts):
-    tokens[i, length - len(p) :] = np.asarray(p, np.int32)
-    mask[i, length - len(p) :] = True
+  tokens[mask] = np.fromiter(itertools.chain.from_iterable(prompts), np.int32, int(lengths.sum()))
   return tokens, mask
 
 

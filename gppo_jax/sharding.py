@@ -164,6 +164,8 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
   device_put of the whole batch.
   """
   n = jax.process_count()
+  if n == 1:  # one transfer call for the whole tree (a call per leaf cost ~2x as long)
+    return jax.device_put(batch_np, batch_shardings(batch_np, mesh))
 
   def put(x):
     x = np.asarray(x)

@@ -91,6 +91,13 @@ def test_left_pad():
   tokens, mask = sampler.left_pad([[1, 2, 3], [4]], pad_id=9, multiple=4)
   np.testing.assert_array_equal(tokens, [[9, 1, 2, 3], [9, 9, 9, 4]])
   np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
+  # Rows of any lengths (lists or arrays) keep their tokens in order, right-aligned.
+  rows = [[5, 6], np.array([7, 8, 9], np.int64), [3], [1, 2, 3, 4, 5]]
+  tokens, mask = sampler.left_pad(rows, length=6)
+  assert tokens.dtype == np.int32 and tokens.shape == (4, 6)
+  for row, t, m in zip(rows, tokens, mask, strict=True):
+    assert t[m].tolist() == list(row) and m.tolist() == [False] * (6 - len(row)) + [True] * len(row)
+    assert (t[~m] == 0).all()
   with pytest.raises(ValueError, match="shorter than the longest"):
     sampler.left_pad([[1, 2, 3]], length=2)
   with pytest.raises(ValueError, match="at least one token"):
