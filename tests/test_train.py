@@ -98,6 +98,9 @@ def test_builtin_tasks_split_and_score(name):
   assert not {p.prompt for p in ev} & {p.prompt for p in tr}
   assert task.eval_set(200) == ev  # fixed held-out set
   tok = tasks.CharTokenizer()
+  ids = [tok.pad_id, tok.bos_id, *tok.encode("12"), tok.eos_id, *tok.encode("3")]
+  assert tok.decode(ids) == "12"  # up to the first eos, without pad and bos
+  assert tok.decode(ids, skip_special=False) == "<pad><bos>12<eos>3"
   comps = {c.level: c for c in task.components}
   assert len(comps) == len(task.components) and {p.level for p in tr} == set(comps)
   for p in ev[:100]:
