@@ -11,7 +11,6 @@ warm start and `python -m gppo_jax.evaluate` (gppo_jax/evaluate.py).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 
 import jax
@@ -26,8 +25,7 @@ def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: 
   """Response texts: the masked tokens without the stop token."""
   tokens = np.asarray(tokens)
   keep = np.asarray(mask, bool) & ~np.isin(tokens, np.asarray(list(stop_ids), tokens.dtype))
-  rows = zip(tokens.tolist(), keep.tolist(), strict=True)  # Python lists: no numpy per row
-  return [tokenizer.decode(list(itertools.compress(row, k))) for row, k in rows]
+  return [tokenizer.decode(row[k].tolist()) for row, k in zip(tokens, keep, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,6 @@ class CharTokenizer:
     self.specials = [PAD, BOS, EOS]
     self.chars = chars
     self._to_id = {c: i + len(self.specials) for i, c in enumerate(chars)}
-    self._text = [*self.specials, *chars]  # id -> text
     self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
     self.vocab_size = len(self.specials) + len(chars)
     self.chat_template = None
@@ -50,13 +49,17 @@ class CharTokenizer:
     return [self.bos_id, *ids] if add_bos else ids
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-    """The text of `ids`; with skip_special, up to the first eos and without pad/bos."""
-    ids = [int(i) for i in ids]
-    if not skip_special:
-      return "".join(self._text[i] for i in ids)
-    if self.eos_id in ids:
-      ids = ids[: ids.index(self.eos_id)]
-    return "".join(self._text[i] for i in ids if i >= len(self.specials))
+    out = []
+    for i in ids:
+      i = int(i)
+      if i < len(self.specials):
+        if i == self.eos_id and skip_special:
+          break
+        if not skip_special:
+          out.append(self.specials[i])
+        continue
+      out.append(self.chars[i - len(self.specials)])
+    return "".join(out)
 
   def apply_chat_template(self, messages: list[dict]) -> str:
     """The built-in tasks have no chat format: the user turn is the prompt."""
