@@ -94,7 +94,8 @@ class MetricWriter:
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
     # One event per step holding every scalar: an event per scalar (SummaryWriter.add_scalar), a
     # queue hand-off for each of ~50 values, cost ~4 ms of each iteration of the default run.
-    self._tb = tensorboardx().FileWriter(os.path.join(log_dir, "tensorboard"))
+    self._tbx = tensorboardx()
+    self._tb = self._tbx.FileWriter(os.path.join(log_dir, "tensorboard"))
     if progress:
       from tqdm.auto import tqdm
 
@@ -119,7 +120,7 @@ class MetricWriter:
     }
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
-      summary = tensorboardx().proto.summary_pb2.Summary
+      summary = self._tbx.proto.summary_pb2.Summary
       scalars = [summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()]
       self._tb.add_summary(summary(value=scalars), int(step))
 
@@ -127,7 +128,7 @@ class MetricWriter:
     """A histogram to TensorBoard: the keyword arguments of tensorboardX.summary.histogram_raw
     (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
     if self._tb is not None:
-      summary = tensorboardx().summary.histogram_raw(_tb_name(tag), **histogram)
+      summary = self._tbx.summary.histogram_raw(_tb_name(tag), **histogram)
       self._tb.add_summary(summary, int(step))
 
   def advance(self, n: int = 1) -> None:

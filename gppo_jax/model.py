@@ -566,7 +566,7 @@ def chunked_logprob_stats(
     ids = jnp.concatenate([ids, gather_ids.astype(ids.dtype)], axis=-1)
   vocab = w.shape[0] if tied else w.shape[1]
   whole = chunk_size is None and B * T * vocab * 4 <= ONE_CHUNK_BYTES
-  C = T if whole else max(1, min(chunk_size or CHUNK_SIZE, T))
+  C = T if whole else max(1, min(CHUNK_SIZE if chunk_size is None else chunk_size, T))
   n = -(-T // C)
   pad = n * C - T
   if pad:

@@ -171,15 +171,15 @@ def left_pad(
   """
   if not prompts:
     raise ValueError("left_pad: no prompts given")
-  longest = max(len(p) for p in prompts)
-  if min(len(p) for p in prompts) == 0:
+  lengths = np.fromiter(map(len, prompts), np.int64, len(prompts))
+  longest = int(lengths.max())
+  if lengths.min() == 0:
     raise ValueError("left_pad: every prompt needs at least one token")
   if length is None:
     length = -(-longest // multiple) * multiple
   elif length < longest:
     raise ValueError(f"left_pad: length={length} is shorter than the longest prompt ({longest})")
   # One flat copy: 0.2 ms for the default rollout's 512 rows, against 0.67 ms a row at a time.
-  lengths = np.fromiter(map(len, prompts), np.int64, len(prompts))
   mask = np.arange(length)[None, :] >= (length - lengths)[:, None]
   tokens = np.full((len(prompts), length), pad_id, np.int32)
   tokens[mask] = np.fromiter(itertools.chain.from_iterable(prompts), np.int32, int(lengths.sum()))
