@@ -99,3 +99,33 @@ def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_
   assert out["peak_tflops"] is None and "mfu" not in t  # a CPU has no bf16 peak to divide by
   mem = out["long_context"]
   assert mem["256"]["temp_gib"] > 0 and mem["256"]["step_s"] > 0  # (growth: the test above)
+
+
+def test_iteration_against_a_commit_times_that_commits_tree_and_this_one(tmp_path):
+  """--against: the same config trained in the commit's exported tree and in this one, each in
+  its own process, from another folder (the config path made relative to the repository)."""
+  if not (REPO / ".git").exists():
+    pytest.skip("not a git checkout: no commit to compare against")
+  head = subprocess.run(
+    ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+  ).stdout.strip()
+  out = tmp_path / "against.json"
+  p = _run(
+    tmp_path, "iteration.py", "--against=HEAD", "--pairs=1", "--iterations=3",
+    f"--config={REPO / 'configs' / 'kl_atomic.py'}:smoke", "--config.seed=3", f"--out={out}",
+    timeout=600,
+  )  # fmt: skip
+  assert p.returncode == 0, p.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["against"] == head
+  assert result["args"] == ["--config=configs/kl_atomic.py:smoke", "--config.seed=3"]
+  (pair,) = result["pairs"]
+  assert pair["old_s"] > 0 and pair["new_s"] > 0
+  assert pair["ratio"] == pytest.approx(pair["old_s"] / pair["new_s"])
+  assert f"commit {head[:12]} vs this tree" in p.stdout and "median ratio over 1 pairs" in p.stdout
+
+
+def test_iteration_against_an_unknown_commit_says_so(tmp_path):
+  p = _run(tmp_path, "iteration.py", "--against=no-such-ref-1234", timeout=120)
+  assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert "--against=no-such-ref-1234: not a commit" in p.stderr
