@@ -69,7 +69,10 @@ def median_iteration(metrics_path: str) -> float:
   with open(metrics_path) as f:
     times = [r["time/iteration_s"] for r in map(json.loads, f) if "time/iteration_s" in r]
   if len(times) < 2:
-    raise SystemExit(f"{metrics_path}: need at least 2 timed iterations (the first one compiles)")
+    raise SystemExit(
+      f"{metrics_path}: {len(times)} iterations with time/iteration_s; need at least 2 (the first "
+      "one compiles; a commit older than that metric cannot be timed this way)"
+    )
   return float(np.median(times[1:]))
 
 
