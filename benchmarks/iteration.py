@@ -82,13 +82,14 @@ def config_args(argv: list[str]) -> list[str]:
   out, i = [], 1
   while i < len(argv):
     arg = argv[i]
-    if arg.startswith("--config") and "=" not in arg and i + 1 < len(argv):  # `--config.x 3`
+    value_next = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+    if arg.startswith("--config") and "=" not in arg and value_next:  # `--config.x 3`
       arg, i = f"{arg}={argv[i + 1]}", i + 1
     if arg.startswith("--config="):
       path, colon, rest = arg[len("--config=") :].partition(":")
-      full = os.path.abspath(path)
-      if full.startswith(REPO + os.sep):
-        path = os.path.relpath(full, REPO)
+      path = os.path.abspath(path)  # the runs start in the trees, not in this folder
+      if path.startswith(REPO + os.sep):
+        path = os.path.relpath(path, REPO)
       arg = f"--config={path}{colon}{rest}"
     if arg.startswith("--config"):
       out.append(arg)
