@@ -471,6 +471,25 @@ def _fmt(metrics: dict[str, float]) -> str:
   return "  ".join(text for _, text in parts)
 
 
+def _gain_verdict(gain: float, se0: float | None, se1: float | None) -> str:
+  """A line for a run whose held-out accuracy did not clearly rise: within two standard errors of
+  the start (the two evaluations' errors combined as if independent), or clearly below it. Empty
+  when it rose beyond that, or when there are no standard errors (no evaluation)."""
+  if se0 is None or se1 is None or not np.isfinite(gain):
+    return ""
+  noise = 2.0 * float(np.hypot(se0, se1))
+  if gain > noise:
+    return ""
+  band = f"{100 * noise:.1f} points, two standard errors"
+  what = f"no clear gain: within {band}"
+  if gain < -noise:
+    what = f"below the start by more than {band}"
+  return (
+    f"({what}. One run's outcome varies with its seed and, on the built-in tasks, its warm start "
+    "(README 'The default run'); compare algorithms over several seeds: python -m gppo_jax.sweep)"
+  )
+
+
 def _print_summary(s: dict[str, Any], config) -> None:
   before, after = s["initial_eval"], s["final_eval"]
   acc0, acc1 = before.get("eval/accuracy", float("nan")), after.get("eval/accuracy", float("nan"))
@@ -480,6 +499,9 @@ def _print_summary(s: dict[str, Any], config) -> None:
     f"in {s['seconds']:.0f} s",
     f"  held-out greedy accuracy: {acc0:.3f} -> {acc1:.3f} ({100 * (acc1 - acc0):+.1f} points)",
   ]
+  se0, se1 = before.get("eval/accuracy_se"), after.get("eval/accuracy_se")
+  if verdict := _gain_verdict(acc1 - acc0, se0, se1):
+    lines.append(f"  {verdict}")
   for key in after:
     if key != "eval/accuracy" and key in before and not key.endswith("_se"):
       lines.append(f"  {key}: {before[key]:.3f} -> {after[key]:.3f}")

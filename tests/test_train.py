@@ -586,3 +586,29 @@ def test_iteration_keys_are_the_seeds_fold_ins_for_any_valid_seed(seed):
     ):
       np.testing.assert_array_equal(np.asarray(key), np.asarray(want))
   assert not np.array_equal(np.asarray(run.keys(0)[0]), np.asarray(run.keys(1)[0]))
+
+
+def test_summary_flags_a_run_whose_accuracy_did_not_clearly_rise(capsys):
+  """The end-of-run summary adds a line when held-out accuracy moved less than two combined
+  standard errors (or fell beyond them), and none for a clear gain or without an evaluation."""
+  config = load_config("kl_atomic.py", "smoke")
+
+  def summary(acc0, acc1, se=0.02):
+    ev = lambda a: {"eval/accuracy": a, "eval/accuracy_se": se, "eval/level1/accuracy": a}
+    return {
+      "initial_eval": ev(acc0), "final_eval": ev(acc1), "iterations": 400, "seconds": 60.0,
+      "metrics_file": "m.jsonl", "workdir": "w", "checkpoints": "c",
+    }  # fmt: skip
+
+  train._print_summary(summary(0.314, 0.291), config)  # -2.3 points, noise band 5.7
+  out = capsys.readouterr().out
+  assert "0.314 -> 0.291 (-2.3 points)" in out
+  assert "(no clear gain: within 5.7 points, two standard errors." in out
+  assert "python -m gppo_jax.sweep" in out
+  train._print_summary(summary(0.314, 0.461), config)
+  assert "two standard errors" not in capsys.readouterr().out
+  train._print_summary(summary(0.314, 0.025, se=0.01), config)
+  assert "(below the start by more than 2.8 points" in capsys.readouterr().out
+  # No standard errors (e.g. no evaluation): nothing to judge by.
+  assert train._gain_verdict(-0.1, None, 0.02) == ""
+  assert train._gain_verdict(float("nan"), 0.02, 0.02) == ""
