@@ -64,16 +64,16 @@ def split(rows: list[dict]) -> dict[str, float]:
   return out
 
 
-def median_iteration(metrics_path: str) -> float:
-  """Median `time/iteration_s` of a run's metrics.jsonl, without the first (compiling) iteration."""
+def timed_rows(metrics_path: str) -> list[dict]:
+  """The metrics.jsonl rows of a run that carry `time/iteration_s` (one per iteration)."""
   with open(metrics_path) as f:
-    times = [r["time/iteration_s"] for r in map(json.loads, f) if "time/iteration_s" in r]
-  if len(times) < 2:
+    rows = [r for r in map(json.loads, f) if "time/iteration_s" in r]
+  if len(rows) < 2:
     raise SystemExit(
-      f"{metrics_path}: {len(times)} iterations with time/iteration_s; need at least 2 (the first "
+      f"{metrics_path}: {len(rows)} iterations with time/iteration_s; need at least 2 (the first "
       "one compiles; a commit older than that metric cannot be timed this way)"
     )
-  return float(np.median(times[1:]))
+  return rows
 
 
 def config_args(argv: list[str]) -> list[str]:
@@ -127,7 +127,7 @@ def timed_run(tree: str, args: list[str], iterations: int) -> float:
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if p.returncode:
       raise SystemExit(f"{' '.join(cmd)} failed in {tree}:\n{p.stderr[-3000:]}")
-    return median_iteration(os.path.join(workdir, "metrics.jsonl"))
+    return split(timed_rows(os.path.join(workdir, "metrics.jsonl"))[1:])["iteration"]
 
 
 def compare(commit: str, pairs: int, iterations: int, out: str | None) -> None:
@@ -166,11 +166,7 @@ def main(argv) -> None:
   config.checkpoint.every = config.iterations
   with tempfile.TemporaryDirectory() as workdir:
     summary = train.train_and_evaluate(config, workdir)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      rows = [json.loads(line) for line in f]
-  rows = [r for r in rows if "time/iteration_s" in r]
-  if len(rows) < 2:
-    raise SystemExit("need at least 2 iterations (the first one compiles)")
+    rows = timed_rows(os.path.join(workdir, "metrics.jsonl"))
   eval_s = [r["time/eval_s"] for r in rows if "time/eval_s" in r]
   first = rows[0]["time/iteration_s"]
   figures = split(rows[1:])
