@@ -21,12 +21,14 @@ this machine (a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON lin
   python benchmarks/train_step.py --shape small --repeats 7
   python benchmarks/train_step.py --shape small --rows 1 --length 4096   # a long sequence
   python benchmarks/train_step.py --shape tiny --variants full/dense,dots/dense,none/dense
+  python benchmarks/train_step.py --shape tiny --variants attention/auto/xla,attention/auto/ynnpack
 
   python benchmarks/train_step.py --shape small --memory 2048,4096,8192 \
       --variants full/auto,full/dense                       # compiled memory, nothing timed
 
-`--variants` times several of our configurations (remat/attention) in the same run;
-the first one is the one the ratio and JSON line's "ours" refer to.
+`--variants` times several of our configurations (remat/attention[/cpu_matmul], the config's
+`model.remat`, `model.attention` and `model.cpu_matmul`, the last "auto" when left out) in the same
+run; the first one is the one the ratio and JSON line's "ours" refer to.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import hf_checkpoint, objective, train_step  # noqa: E402
+from gppo_jax import hf_checkpoint, objective, sharding, train_step  # noqa: E402
 from gppo_jax import model as model_lib  # noqa: E402
 
 # name -> (HF Qwen2 config fields, batch rows, sequence length)
@@ -119,18 +121,20 @@ def model_flops(shape: str) -> float:
 
 def variant_update(cfg, variant: str):
   """(jitted update with the state donated, optimizer, spec) of our trainer for a model config
-  and a variant 'remat/attention': the step both the timing and the memory figures use."""
-  remat, attention = variant.split("/")
+  and a variant 'remat/attention[/cpu_matmul]': the step both the timing and the memory figures
+  use, compiled with the trainer's options (`sharding.update_compiler_options`)."""
+  remat, attention, cpu_matmul = (variant + "/auto").split("/")[:3]
   cfg = dataclasses.replace(cfg, remat=remat, attention=attention)
   tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
   loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
   spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
   update = train_step.make_update_fn(model_lib.abstract_graphdef(cfg), tx, spec)
-  return jax.jit(update, donate_argnums=0), tx, spec
+  options = sharding.update_compiler_options(cpu_matmul, cfg.hidden_size, jax.default_backend())
+  return jax.jit(update, donate_argnums=0, compiler_options=options), tx, spec
 
 
 def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
-  """run() -> one update step of our trainer, for variant 'remat/attention'."""
+  """run() -> one update step of our trainer, for a variant (`variant_update`)."""
   fn, tx, _ = variant_update(model.cfg, variant)
   _, params = nnx.split(model)
   state = train_step.TrainState(
@@ -203,7 +207,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
   """GiB of temporaries XLA's memory analysis reports for one update (compiled, never run) of
-  the shape's model on one sequence of each length, per variant 'remat/attention'."""
+  the shape's model on one sequence of each length, per variant (`variant_update`)."""
   from gppo_jax import architectures
 
   fields, _, _ = SHAPES[shape]
@@ -267,7 +271,7 @@ def main():
   ap.add_argument(
     "--variants",
     default="",
-    help="comma-separated remat/attention of ours (default: the ModelConfig defaults)",
+    help="comma-separated remat/attention[/cpu_matmul] of ours (default: the trainer's)",
   )
   ap.add_argument(
     "--memory",
@@ -282,8 +286,12 @@ def main():
     f"{defaults.remat}/{defaults.attention}"
   ]
   for v in variants:
-    if len(v.split("/")) != 2:
-      ap.error(f"--variants entry {v!r}: expected remat/attention")
+    parts = v.split("/")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in sharding.CPU_MATMULS):
+      ap.error(
+        f"--variants entry {v!r}: expected remat/attention[/cpu_matmul], cpu_matmul one of "
+        + ", ".join(sharding.CPU_MATMULS)
+      )
   shapes = list(SHAPES) if args.shape == "both" else [args.shape]
   if args.length and args.length <= PROMPT_LEN:
     ap.error(f"--length {args.length}: rows are a {PROMPT_LEN}-token prompt + the response")

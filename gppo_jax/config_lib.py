@@ -129,6 +129,10 @@ def base(
   # splash).
   c.model.remat = "attention"
   c.model.attention = "auto"
+  # Which kernels run the update's matrix products on CPU (sharding.CPU_MATMULS): "auto" = XLA's
+  # own up to hidden size 128, where they beat the YNNPACK library XLA picks by default;
+  # "xla"; "ynnpack" (XLA's default). No effect on GPU and TPU. README "Performance".
+  c.model.cpu_matmul = "auto"
   c.model.export_hf = False  # also write a Hugging Face folder at the end of training
 
   # Supervised warm start of the built-in policy (cached; skipped for model.path).
@@ -438,7 +442,16 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax import advantages, architectures, divergences, envs, estimators, objective, tasks
+  from gppo_jax import (
+    advantages,
+    architectures,
+    divergences,
+    envs,
+    estimators,
+    objective,
+    sharding,
+    tasks,
+  )
 
   _registry_name("loss.divergence", divergences.get, c.loss.divergence)
   _registry_name("loss.estimator", estimators.get, c.loss.estimator)
@@ -467,6 +480,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.choice("model.param_dtype", tuple(architectures.DTYPES))
   k.choice("model.remat", tuple(architectures.REMAT_POLICIES))
   k.choice("model.attention", architectures.ATTENTION)
+  k.choice("model.cpu_matmul", sharding.CPU_MATMULS)
   k.flag("model.export_hf")
   # Warm start of the built-in policy.
   k.flag("warmstart.enabled")

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gppo_jax import partitioning, registry
+from gppo_jax import errors, partitioning, registry
 
 log = logging.getLogger(__name__)
 
@@ -265,10 +265,55 @@ def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
   return wrapper
 
 
-def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any) -> Callable:
+# Which kernels run the update's matrix products on CPU (config `model.cpu_matmul`). XLA's CPU
+# backend hands plain dots to the YNNPACK library by default; on the narrow matrices of a small
+# model's update (the default run's [656, 64] x [64, 192]) XLA's own kernels took half the time
+# and the whole update 0.85x-0.91x, on the 512-wide "small" shape 1.17x (README "Performance").
+# The sampler keeps the default: its batched decode products ran 2x slower on XLA's kernels.
+CPU_MATMULS = ("auto", "xla", "ynnpack")
+CPU_XLA_MATMUL_MAX_HIDDEN = 128  # "auto": XLA's own kernels up to this hidden size
+_XLA_MATMUL_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def update_compiler_options(
+  cpu_matmul: str, hidden_size: int, platform: str
+) -> dict[str, str] | None:
+  """XLA compiler options for the update's jit (`jit_update`): on CPU with `cpu_matmul` "xla",
+  or "auto" and a hidden size up to CPU_XLA_MATMUL_MAX_HIDDEN, only reductions stay YNNPACK
+  fusions and every dot is XLA's own; None (XLA's defaults) otherwise, and on GPU and TPU.
+  ConfigError for an unknown `cpu_matmul`; None with a warning where this jaxlib lacks the
+  option."""
+  if cpu_matmul not in CPU_MATMULS:
+    raise errors.ConfigError(f"model.cpu_matmul={cpu_matmul!r}; valid: {', '.join(CPU_MATMULS)}")
+  narrow = hidden_size <= CPU_XLA_MATMUL_MAX_HIDDEN
+  if platform != "cpu" or not (cpu_matmul == "xla" or (cpu_matmul == "auto" and narrow)):
+    return None
+  return dict(_XLA_MATMUL_OPTIONS) if _xla_matmul_options_supported() else None
+
+
+@functools.cache
+def _xla_matmul_options_supported() -> bool:
+  """Whether this jaxlib's CPU compiler takes the options (they are experimental): a toy compile."""
+  try:
+    jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=_XLA_MATMUL_OPTIONS)
+  except Exception as e:  # noqa: BLE001 (whatever the compiler raises: fall back to the defaults)
+    log.warning("model.cpu_matmul: this jaxlib rejects %s (%s); XLA's defaults instead",
+                _XLA_MATMUL_OPTIONS, e)  # fmt: skip
+    return False
+  return True
+
+
+def jit_update(
+  update_fn: Callable,
+  state_shardings: Any,
+  batch_shardings: Any,
+  *,
+  compiler_options: Mapping[str, Any] | None = None,
+) -> Callable:
   """jit(update_fn) for (state, batch, rng) -> (state, metrics), with the state donated.
 
-  The new state keeps `state_shardings`; metrics and rng are replicated.
+  The new state keeps `state_shardings`; metrics and rng are replicated. `compiler_options`: for
+  XLA (`update_compiler_options`).
   """
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   rep = replicated(mesh)
@@ -282,6 +327,7 @@ def jit_update(update_fn: Callable, state_shardings: Any, batch_shardings: Any) 
     in_shardings=(state_shardings, batch_shardings, rep),
     out_shardings=(state_shardings, rep),
     donate_argnums=0,
+    compiler_options=dict(compiler_options) if compiler_options else None,
   )
 
 

@@ -194,7 +194,10 @@ def _set_up(
     sampling.num_topk,
   )  # fmt: skip
   batch_sh = sharding.batch_shardings(batch, mesh)
-  update = _jit_update(graphdef, tx, spec, state_sh, batch_sh)
+  options = sharding.update_compiler_options(
+    config.model.get("cpu_matmul", "auto"), model_cfg.hidden_size, mesh.devices.flat[0].platform
+  )
+  update = _jit_update(graphdef, tx, spec, state_sh, batch_sh, options)
   _check_group_split(config, spec, mesh)
   run = Run(
     config=config,
@@ -222,8 +225,11 @@ def _set_up(
 
 # The compiled functions of a run, reused by the next run of the same shapes in this process.
 @sharding.reuse
-def _jit_update(graphdef, tx, spec: train_step.UpdateSpec, state_sh, batch_sh) -> Callable:
-  return sharding.jit_update(train_step.make_update_fn(graphdef, tx, spec), state_sh, batch_sh)
+def _jit_update(
+  graphdef, tx, spec: train_step.UpdateSpec, state_sh, batch_sh, compiler_options=None
+) -> Callable:
+  update_fn = train_step.make_update_fn(graphdef, tx, spec)
+  return sharding.jit_update(update_fn, state_sh, batch_sh, compiler_options=compiler_options)
 
 
 @sharding.reuse

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from gppo_jax import (
   attention,
   checkpointing,
   config_lib,
+  errors,
   objective,
   partitioning,
   plan,
@@ -161,6 +163,47 @@ def test_sharded_update_matches_one_device(setup, shape):
   shard = {(8, 1, 1): (2, 64, 128), (2, 2, 2): (2, 32, 64), (1, 2, 4): (2, 32, 32)}[shape]
   assert new.params["layers"]["w_up"][...].addressable_shards[0].data.shape == shard
   assert adam.count.sharding.is_fully_replicated and new.step.sharding.is_fully_replicated
+
+
+def _dots_in_ynn_fusions(compiled) -> int:
+  """How many dot instructions of a compiled CPU program sit inside YNNPACK library fusions."""
+  text = compiled.as_text()
+  called = re.findall(r"calls=(%[\w.\-]+),[^\n]*\"kind\":\"__ynn_fusion\"", text)
+  bodies = {
+    m.group(1): m.group(2) for m in re.finditer(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.S)
+  }
+  return sum(len(re.findall(r" dot\(", bodies[name])) for name in called)
+
+
+def test_cpu_matmul_routes_a_narrow_update_to_xla_kernels_with_the_same_step(setup):
+  """model.cpu_matmul: "auto" gives a narrow model's update XLA's own matmul kernels on CPU only
+  (sharding.update_compiler_options); so compiled, no dot is left in a YNNPACK fusion, where
+  XLA's defaults put them, and the update computes the same step."""
+  options = sharding.update_compiler_options
+  narrow = options("auto", 64, "cpu")
+  assert narrow and narrow == options("xla", 4096, "cpu")
+  assert options("auto", 512, "cpu") is None and options("ynnpack", 64, "cpu") is None
+  assert options("xla", 64, "gpu") is None and options("auto", 64, "tpu") is None
+  with pytest.raises(errors.ConfigError, match="model.cpu_matmul='eigen'; valid: auto, xla"):
+    options("eigen", 64, "cpu")
+
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  shardings = sharding.state_shardings(setup["host_state"], mesh)
+  batch_sh = sharding.batch_shardings(setup["batch"], mesh)
+  got = {}
+  for name, opts in (("default", None), ("xla", narrow)):
+    update = sharding.jit_update(setup["update_fn"], shardings, batch_sh, compiler_options=opts)
+    state = jax.device_put(setup["host_state"], shardings)
+    batch = sharding.shard_batch(setup["batch"], mesh)
+    got[name] = (_dots_in_ynn_fusions(update.lower(state, batch, setup["key"]).compile()),
+                 jax.device_get(update(state, batch, setup["key"])))  # fmt: skip
+  assert got["default"][0] > 0 and got["xla"][0] == 0
+  (new, metrics), (want_state, want_metrics) = got["xla"][1], setup["want"]
+  for k in ("loss/total", "optim/grad_norm", "trust/masked_frac"):
+    np.testing.assert_allclose(np.asarray(metrics[k]), want_metrics[k], rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_state), strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)) + 1e-7
 
 
 @pytest.mark.parametrize(

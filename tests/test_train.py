@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from gppo_jax import config_lib, envs, evaluate, experiment, tasks, train, train_step
+from gppo_jax import config_lib, envs, evaluate, experiment, sharding, tasks, train, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,8 +226,14 @@ def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, 
   """A second run of the same shapes and update settings (here a longer warm start) reuses the
   first one's update and samplers (no trace, no compile); a different loss builds its own, and
   so does a different optimizer schedule (make_optimizer returns another object)."""
-  got = []
-  spy = lambda *a, real=train._jit_update, **k: got.append(real(*a, **k)) or got[-1]
+  got, options = [], []
+  real = train._jit_update
+
+  def spy(*a):
+    options.append(a[5])  # the XLA options: "auto" picks XLA's matmuls for char-tiny's width
+    got.append(real(*a))
+    return got[-1]
+
   monkeypatch.setattr(train, "_jit_update", spy)
   traced = []
   real_sample = train.sampler.sample
@@ -249,6 +255,7 @@ def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, 
   assert got[1] is got[0] and len(traced) == before  # the sampler was not traced again
   run("c", **{"loss.delta_low": 0.05})
   assert got[2] is not got[0]
+  assert options[0] and options[0] == sharding.update_compiler_options("xla", 64, "cpu")
   # The optimizer is part of the key: equal settings give the same object, a schedule over
   # another number of steps a new one.
   make = lambda steps: train_step.make_optimizer(lr=1e-3, total_steps=steps, schedule="cosine")

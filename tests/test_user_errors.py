@@ -156,6 +156,7 @@ BAD_VALUES = [
   ("model.param_dtype", "float16"),
   ("model.remat", "partial"),
   ("model.attention", "flash"),
+  ("model.cpu_matmul", "eigen"),
   ("mesh.data", 0),
   ("mesh.tensor", -2),
 ]
