@@ -532,9 +532,11 @@ def _project(hidden, w, tied):
 
 # `chunked_logprob_stats` with chunk_size None: logits of at most this many bytes ([B, T, V]
 # float32) are built in one piece, without the checkpointed chunk loop (no padding to whole
-# chunks, no head recomputed in the backward): the tiny train step of benchmarks/train_step.py
-# took 0.94x-0.99x the time, in one process. Larger ones go in chunks of CHUNK_SIZE positions.
-ONE_CHUNK_BYTES = 32 << 20
+# chunks, no head recomputed in the backward: a third of the head's FLOPs). In one process the
+# tiny train step of benchmarks/train_step.py took 0.94x-0.99x the time, the small one (8 x 225
+# response tokens, vocab 32k: 220 MiB of logits) 0.92x, for up to ~3x these bytes of temporary
+# memory. Larger logits go in chunks of CHUNK_SIZE positions: memory then stays O(CHUNK_SIZE).
+ONE_CHUNK_BYTES = 256 << 20
 CHUNK_SIZE = 128
 
 
