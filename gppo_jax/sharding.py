@@ -295,7 +295,8 @@ def update_compiler_options(
 def _xla_matmul_options_supported() -> bool:
   """Whether this jaxlib's CPU compiler takes the options (they are experimental): a toy compile."""
   try:
-    jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=_XLA_MATMUL_OPTIONS)
+    x = jax.device_put(np.float32(0), jax.devices("cpu")[0])  # a CPU compile whatever the default
+    jax.jit(lambda x: x + 1).lower(x).compile(compiler_options=_XLA_MATMUL_OPTIONS)
   except Exception as e:  # noqa: BLE001 (whatever the compiler raises: fall back to the defaults)
     log.warning("model.cpu_matmul: this jaxlib rejects %s (%s); XLA's defaults instead",
                 _XLA_MATMUL_OPTIONS, e)  # fmt: skip

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import subprocess
@@ -173,6 +174,20 @@ def _dots_in_ynn_fusions(compiled) -> int:
     m.group(1): m.group(2) for m in re.finditer(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, re.S)
   }
   return sum(len(re.findall(r" dot\(", bodies[name])) for name in called)
+
+
+def test_cpu_matmul_falls_back_to_xla_defaults_where_the_jaxlib_lacks_the_option(
+  monkeypatch, caplog
+):
+  """The option is experimental: a jaxlib that rejects it gets XLA's defaults and a warning."""
+  monkeypatch.setattr(sharding, "_XLA_MATMUL_OPTIONS", {"xla_cpu_no_such_option": "1"})
+  sharding._xla_matmul_options_supported.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger="gppo_jax.sharding"):
+      assert sharding.update_compiler_options("xla", 64, "cpu") is None
+    assert "model.cpu_matmul: this jaxlib rejects" in caplog.text
+  finally:
+    sharding._xla_matmul_options_supported.cache_clear()
 
 
 def test_cpu_matmul_routes_a_narrow_update_to_xla_kernels_with_the_same_step(setup):
