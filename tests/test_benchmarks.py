@@ -50,6 +50,13 @@ def test_update_memory_benchmark_blockwise_grows_slower_than_dense(tmp_path):
   assert block["2048"] < dense["2048"] / 2, gib
 
 
+def test_update_benchmark_names_a_bad_variant_before_building_anything(tmp_path):
+  """--variants remat/attention[/cpu_matmul]: an unknown kernel choice is a usage error."""
+  p = _run(tmp_path, "train_step.py", "--shape", "tiny", "--variants", "attention/auto/eigen")
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert "'attention/auto/eigen'" in p.stderr and "auto, xla, ynnpack" in p.stderr, p.stderr
+
+
 def test_attention_benchmark_times_each_tile_against_the_chosen_one(tmp_path):
   """A bounded run: every tile up to T, the chosen one (64 on CPU, longer than these 48 tokens)
   and dense, all agreeing (the script exits otherwise), the chosen one as the 1.00x baseline."""
