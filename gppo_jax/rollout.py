@@ -184,8 +184,8 @@ def collect(
     )
     rounds.append(groups)
     metric_rows.append(m)
-    if int(sum(has_signal(g).sum() for g in rounds)) >= need:
-      break
+    if i < refill and int(sum(has_signal(g).sum() for g in rounds)) >= need:
+      break  # (after the last round the loop ends anyway: no signal test to wait for)
   pool = Groups.concat(rounds)
   signal = has_signal(pool)
   if len(rounds) > 1:
