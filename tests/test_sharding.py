@@ -135,6 +135,18 @@ def test_batches_split_over_data_and_fsdp(setup):
   assert f(jax.device_put(x, sharding.replicated(mesh))).sharding.spec == jax.P(("data", "fsdp"))
 
 
+def assert_same_step(state, metrics, want) -> None:
+  """An update's (host) state and metrics equal the reference step's `want`: the metrics, and
+  parameters and Adam's moments (functions of the gradients) leaf by leaf, up to float summation
+  order (relative to each leaf's scale: small gradient entries cancel)."""
+  want_state, want_metrics = want
+  for k in ("loss/total", "optim/grad_norm", "trust/masked_frac"):
+    np.testing.assert_allclose(np.asarray(metrics[k]), want_metrics[k], rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)) + 1e-7
+
+
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_update_matches_one_device(setup, shape):
   mesh = mesh_of(shape)
@@ -147,15 +159,7 @@ def test_sharded_update_matches_one_device(setup, shape):
   wq_before = state.params["layers"]["wq"][...]
   new, metrics = update(state, batch, setup["key"])
   assert wq_before.is_deleted()  # the state was donated
-  want_state, want_metrics = setup["want"]
-  for k in ("loss/total", "optim/grad_norm", "trust/masked_frac"):
-    np.testing.assert_allclose(np.asarray(metrics[k]), want_metrics[k], rtol=1e-4, atol=1e-6)
-  # Parameters and Adam's moments (functions of the gradients) agree leaf by leaf, up to float
-  # summation order (relative to each leaf's scale: small gradient entries cancel).
-  got, ref = jax.device_get(new), want_state
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)) + 1e-7
+  assert_same_step(jax.device_get(new), metrics, setup["want"])
   assert int(new.step) == 4
   # The new state keeps its layout: params and Adam moments by logical axes, counts replicated.
   adam = new.opt_state[1][0]
@@ -213,12 +217,7 @@ def test_cpu_matmul_routes_a_narrow_update_to_xla_kernels_with_the_same_step(set
     got[name] = (_dots_in_ynn_fusions(update.lower(state, batch, setup["key"]).compile()),
                  jax.device_get(update(state, batch, setup["key"])))  # fmt: skip
   assert got["default"][0] > 0 and got["xla"][0] == 0
-  (new, metrics), (want_state, want_metrics) = got["xla"][1], setup["want"]
-  for k in ("loss/total", "optim/grad_norm", "trust/masked_frac"):
-    np.testing.assert_allclose(np.asarray(metrics[k]), want_metrics[k], rtol=1e-4, atol=1e-6)
-  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_state), strict=True):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)) + 1e-7
+  assert_same_step(*got["xla"][1], setup["want"])
 
 
 @pytest.mark.parametrize(
