@@ -169,7 +169,7 @@ def collect(
   """Generation round(s) -> the host-side rollout batch (numpy) and its metrics (see the module)."""
   r, a = config.rollout, config.advantage
   need = r.prompts_per_iter
-  rounds, metric_rows = [], []
+  rounds, metric_rows, signals = [], [], []
   refill = r.refill_rounds if a.filter_zero_signal else 0
   for i in range(1 + refill):
     groups, m = generate(
@@ -184,10 +184,11 @@ def collect(
     )
     rounds.append(groups)
     metric_rows.append(m)
-    if i < refill and int(sum(has_signal(g).sum() for g in rounds)) >= need:
-      break  # (after the last round the loop ends anyway: no signal test to wait for)
+    signals.append(has_signal(groups))  # per group: each round's once, one shape compiled
+    if sum(int(s.sum()) for s in signals) >= need:
+      break
   pool = Groups.concat(rounds)
-  signal = has_signal(pool)
+  signal = np.concatenate(signals)
   if len(rounds) > 1:
     # Groups with signal first, in the order drawn; then zero-signal ones (masked) if short.
     order = np.concatenate([np.flatnonzero(signal), np.flatnonzero(~signal)])[:need]
