@@ -23,10 +23,11 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION = attention.IMPLEMENTATIONS  # ModelConfig.attention: attention.py's implementations
 # Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory);
-# "attention" also keeps the blockwise attention's output and log-sum-exp (attention.SAVED_NAMES:
-# O(T) per layer), so the backward does not rerun the attention forward (with dense, cuDNN or
-# splash attention it is "full"); "dots" keeps the layer input and weight-matmul outputs; "none"
-# keeps everything (most memory; not the fastest on CPU, see README "Performance").
+# "attention" also keeps the attention's output and what its backward needs (attention.SAVED_NAMES:
+# blockwise's log-sum-exp, dense's probabilities up to attention.DENSE_SAVED_MAX_KEYS keys; O(T)
+# per layer), so the backward does not rerun the attention forward (with cuDNN or splash
+# attention it is "full"); "dots" keeps the layer input and weight-matmul outputs; "none" keeps
+# everything (most memory; not the fastest on CPU, see README "Performance").
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,

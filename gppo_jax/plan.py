@@ -191,8 +191,8 @@ def analytic_activation_bytes(
 ) -> int:
   """Closed-form estimate of the update's temporaries per device (remat-aware, chunked head).
 
-  One micro-batch of rows split over data x fsdp: the saved layer inputs (and the blockwise
-  attention's output with remat "attention"; every intermediate without remat), one layer's
+  One micro-batch of rows split over data x fsdp: the saved layer inputs (and the attention's
+  residuals with remat "attention"; every intermediate without remat), one layer's
   forward and backward working set, the chunked log-prob head, and
   gradient-sized buffers. Attention: dense keeps float32 scores, probabilities and their
   gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where shared prompts attend
@@ -214,17 +214,21 @@ def analytic_activation_bytes(
   layer_work = 2 * tokens * (4 * d + 3 * f // tp + 2 * (heads + 2 * kv) * dh) * item
   G, P = spec.group_size, spec.prompt_len
   impl = attention_impl(cfg, seq, backend)
+  keys = 0  # of each dense attention product (0: blockwise)
   if model_lib.attends_packed_groups(cfg, seq, P, G, backend):
-    packed = model_lib.packed_group_len(seq, P, G)
-    attn = 3 * max(1, rows // G) * heads * packed * packed * 4
+    keys = model_lib.packed_group_len(seq, P, G)
+    attn = 3 * max(1, rows // G) * heads * keys * keys * 4
   elif impl == "dense":
+    keys = seq
     attn = 3 * rows * heads * seq * seq * 4
   else:
     block = min(seq, attention.block_size(seq, backend))
     attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
-  if cfg.remat == "attention" and impl == "blockwise":
-    saved += tokens * heads * (dh * item + 4) * cfg.num_layers  # attention.SAVED_NAMES
+  if cfg.remat == "attention" and (keys or impl == "blockwise"):  # attention.SAVED_NAMES
+    lse = 0 if keys else 4  # blockwise's log-sum-exp; dense's probabilities if few keys
+    probs = attn // 3 if 0 < keys <= attention.DENSE_SAVED_MAX_KEYS else 0
+    saved += (tokens * heads * (dh * item + lse) + probs) * cfg.num_layers
   if cfg.remat == "none":
     saved = cfg.num_layers * (layer_work + attn) // 2
   head = rows * min(128, seq) * cfg.vocab_size * 4 * 3

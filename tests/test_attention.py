@@ -283,6 +283,40 @@ def test_remat_attention_keeps_the_blockwise_forward(weights, dense_model):
   assert loops["attention"] == loops["none"] == loops["full"] - 1, loops
 
 
+def test_remat_attention_keeps_the_dense_probabilities(weights, dense_model):
+  """remat="attention" with dense attention: the same gradients as "none" and "full", and the
+  backward reuses the saved output and probabilities: the two products "full" reruns in the
+  layer scan's body (scores, probabilities x values) are gone."""
+  batch, (_, _, want) = dense_model
+  dots = {}
+  for remat in ("none", "full", "attention"):
+    grad = jax.grad(_model_loss("dense", *batch, remat=remat), has_aux=True)
+    chex.assert_trees_all_close(jax.jit(grad)(weights)[0], want, atol=5e-5, rtol=5e-5)
+    dots[remat] = _count(jax.make_jaxpr(grad)(weights).jaxpr, "dot_general")
+  assert dots["attention"] == dots["full"] - 2, dots
+  assert dots["none"] < dots["attention"], dots  # the projections are still recomputed
+
+
+@pytest.mark.parametrize(
+  "keys, saved", [(attn.DENSE_SAVED_MAX_KEYS, True), (attn.DENSE_SAVED_MAX_KEYS + 1, False)]
+)
+def test_dense_probabilities_are_kept_only_up_to_the_key_limit(keys, saved):
+  """Beyond DENSE_SAVED_MAX_KEYS keys remat "attention" keeps only dense attention's output (its
+  probabilities would be O(T^2) per layer): the backward reruns the scores but not the value
+  product. Up to it, neither."""
+  q, k, v = (jnp.ones((1, 4, 2, 8)), jnp.ones((1, keys, 1, 8)), jnp.ones((1, keys, 1, 8)))
+  allowed = jnp.ones((1, 4, keys), bool)
+
+  def count(remat):
+    f = jax.checkpoint(
+      lambda q, k, v: jnp.sum(attn.dense_fused(q, k, v, allowed) ** 2),
+      policy=architectures.REMAT_POLICIES[remat],
+    )
+    return _count(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v).jaxpr, "dot_general")
+
+  assert count("attention") == count("full") - (2 if saved else 1)
+
+
 def test_model_prefill_with_blockwise_equals_dense(weights):
   """The KV-cache call with several tokens at a traced cache_index (the sampler's prefill)."""
   tokens, mask, positions = _model_batch(B=3, T=13, seed=4)
