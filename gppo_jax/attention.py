@@ -190,10 +190,13 @@ def _dense_fused_bwd(res, dout):
   ds = (p * (dp - delta[..., None])).astype(qh.dtype)
   scale = Dh**-0.5
   dq = jnp.einsum("bkgts,bksd->bkgtd", ds, kh, preferred_element_type=f32) * scale
-  dk = jnp.einsum("bkgts,bkgtd->bksd", ds, qh, preferred_element_type=f32) * scale
-  dv = jnp.einsum("bkgts,bkgtd->bksd", p.astype(doh.dtype), doh, preferred_element_type=f32)
+  # The key and value gradients come out transposed, [B, K, Dh, S] ((queries or output gradient)^T
+  # x (score gradient or probabilities)): the other way round, XLA's CPU backend copied each
+  # [T, S] block into the transposed layout its matmul takes (as in the blockwise backward).
+  dk = jnp.einsum("bkgtd,bkgts->bkds", qh, ds, preferred_element_type=f32) * scale
+  dv = jnp.einsum("bkgtd,bkgts->bkds", doh, p.astype(doh.dtype), preferred_element_type=f32)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, Dh)
-  dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
+  dk, dv = (x.transpose(0, 3, 1, 2) for x in (dk, dv))
   return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
 
 
