@@ -31,6 +31,9 @@ import numpy as np
 
 from gppo_jax import advantages, envs, policy_eval, sampler, train_step
 
+# One dispatch per round (eagerly, fold_in is three: ~0.1 ms of host time each iteration).
+_fold_in = jax.jit(jax.random.fold_in)
+
 
 @dataclasses.dataclass
 class Groups:
@@ -177,7 +180,7 @@ def collect(
       env,
       sample_fn,
       params,
-      jax.random.fold_in(key, i),
+      _fold_in(key, i),
       sampling,
       prompt_len=prompt_len,
       pad_id=pad_id,

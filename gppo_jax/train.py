@@ -52,11 +52,14 @@ log = logging.getLogger("gppo_jax")
 
 
 @jax.jit
-def _all_finite(tree) -> jax.Array:
-  leaves = [
-    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def _all_finite(*trees) -> list[jax.Array]:
+  """For each tree: whether every float leaf is finite (one dispatch and one transfer for all)."""
+  out = []
+  for tree in trees:
+    leaves = jax.tree.leaves(tree)
+    ok = [jnp.all(jnp.isfinite(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    out.append(jnp.all(jnp.stack(ok)) if ok else jnp.bool_(True))
+  return out
 
 
 class NonFiniteError(FloatingPointError):
@@ -68,10 +71,9 @@ def check_finite(state, metrics: dict[str, float], adv: np.ndarray, *, iteration
   bad = [
     k for k in ("loss/total", "optim/grad_norm") if k in metrics and not np.isfinite(metrics[k])
   ]
-  if not bool(_all_finite(state.params)):
-    bad.append("parameters")
-  if not bool(_all_finite(state.opt_state)):
-    bad.append("optimizer state")
+  params_ok, opt_ok = jax.device_get(_all_finite(state.params, state.opt_state))
+  bad += [] if params_ok else ["parameters"]
+  bad += [] if opt_ok else ["optimizer state"]
   if not bad:
     return
   if not np.all(np.isfinite(adv)):

@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+import types
 
 import conftest
 import jax
@@ -227,6 +228,21 @@ def test_a_non_finite_update_is_never_saved(tmp_path, monkeypatch):
   assert "optim.lr" in str(e.value)
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["1"]
   assert [r["step"] for r in rows(wd)] == [0, 1]
+
+
+def test_check_finite_names_each_non_finite_part():
+  """Parameters and optimizer state are checked together (one device call); each one that holds
+  NaN or inf is named, integer leaves are ignored, and a finite state passes."""
+  ok = {"w": np.ones(3, np.float32), "n": np.int32(7)}
+  bad = {"w": np.array([1.0, np.inf], np.float32), "n": np.int32(7)}
+  state = lambda p, o: types.SimpleNamespace(params=p, opt_state=o)
+  adv = np.zeros(4)
+  train.check_finite(state(ok, ok), {}, adv, iteration=1, newest=None)
+  for p, o, want in ((bad, ok, "parameters after"), (ok, bad, "optimizer state after")):
+    with pytest.raises(train.NonFiniteError, match=f"non-finite {want} iteration 5"):
+      train.check_finite(state(p, o), {}, adv, iteration=5, newest=None)
+  with pytest.raises(train.NonFiniteError, match="non-finite parameters, optimizer state"):
+    train.check_finite(state(bad, bad), {}, adv, iteration=5, newest=None)
 
 
 def test_an_unreadable_latest_checkpoint_is_skipped_and_the_run_resumes(tmp_path, caplog):

@@ -119,6 +119,30 @@ def test_builtin_tasks_split_and_score(name):
     tasks.get("chess")
 
 
+def _choice_sample(task, rng, n, split="train"):
+  """Task.sample as it drew components with rng.choice (before the cdf lookup)."""
+  probs = np.asarray(task.weights, np.float64) / np.sum(task.weights)
+  out = []
+  while len(out) < n:
+    comp = task.components[int(rng.choice(len(task.components), p=probs))]
+    problem = comp.sample(rng)
+    if tasks._is_eval(problem.prompt, task.eval_fraction) == (split == "eval"):
+      out.append(problem)
+  return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_task_draws_the_same_problems_as_numpy_choice(seed):
+  """Task.sample's component draw is rng.choice's (the same problems from the same seed): runs,
+  their warm-start caches and the README's figures depend on this stream."""
+  for name in ("addsub3", "ops3", "add1"):
+    task = tasks.get(name)
+    for split in ("train", "eval"):
+      a, b = np.random.default_rng(seed), np.random.default_rng(seed)
+      assert task.sample(a, 300, split) == _choice_sample(task, b, 300, split)
+      assert a.random() == b.random()  # and the generator is left in the same state
+
+
 def tiny_policy_and_tokens(n: int, seed: int):
   """A fresh char-tiny policy for add_rev3 and n random prompts and responses (token ids >= 3);
   returns env, graphdef, params, prompts, responses and the rng for further draws."""
