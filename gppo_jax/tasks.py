@@ -153,7 +153,7 @@ class Task:
     out: list[Problem] = []
     while len(out) < n:
       # = rng.choice(len(components), p=weights / sum): the same draw from the same stream
-      # (tests/test_data.py), without choice's per-call validation (half this loop's time).
+      # (tests/test_train.py), without choice's per-call validation (half this loop's time).
       comp = self.components[int(cdf.searchsorted(rng.random(), side="right"))]
       problem = comp.sample(rng)
       if _is_eval(problem.prompt, self.eval_fraction) == want_eval:

@@ -72,8 +72,7 @@ def check_finite(state, metrics: dict[str, float], adv: np.ndarray, *, iteration
     k for k in ("loss/total", "optim/grad_norm") if k in metrics and not np.isfinite(metrics[k])
   ]
   params_ok, opt_ok = jax.device_get(_all_finite(state.params, state.opt_state))
-  bad += [] if params_ok else ["parameters"]
-  bad += [] if opt_ok else ["optimizer state"]
+  bad += [name for name, ok in (("parameters", params_ok), ("optimizer state", opt_ok)) if not ok]
   if not bad:
     return
   if not np.all(np.isfinite(adv)):
