@@ -12,10 +12,12 @@ threads each, in this one process:
   `clip_grad_norm_`, `torch.optim.AdamW.step`.
 
 Repeats are interleaved (this machine's speed drifts), compile and warm-up are excluded, medians
-compared. Achieved GFLOP/s counts model FLOPs (`plan.update_flops`: 6 x (layer parameters) per
-token, 6 x (LM head) per response token, plus causal attention, 6 x T x heads x head_dim per
-token and layer: the lower triangle only); it is compared with XLA's own float32 matmul rate on
-this machine (a 2048^3 `jnp.dot`, timed in the same run). Ends with one JSON line.
+compared; "per round" is the range of the ratios of the rounds (each HF run against ours of the
+same round), how far a single pair could mislead. Achieved GFLOP/s counts model FLOPs
+(`plan.update_flops`: 6 x (layer parameters) per token, 6 x (LM head) per response token, plus
+causal attention, 6 x T x heads x head_dim per token and layer: the lower triangle only); it is
+compared with XLA's own float32 matmul rate on this machine (a 2048^3 `jnp.dot`, timed in the
+same run). Ends with one JSON line.
 
   python benchmarks/train_step.py                          # both shapes, the shipped defaults
   python benchmarks/train_step.py --shape small --repeats 7
@@ -226,6 +228,15 @@ def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
   return out
 
 
+def paired_ratios(times: dict[str, list[float]], base: str = "hf") -> dict[str, list[float]]:
+  """Per repeat round, base's time / each method's (above 1: faster than base). The rounds are
+  interleaved, so each ratio compares two runs of the same minute; their spread shows how much
+  of a median ratio is this machine's drift."""
+  return {
+    k: [b / t for b, t in zip(times[base], v, strict=True)] for k, v in times.items() if k != base
+  }
+
+
 def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
   hf, ours = build(shape)
   batch = make_batch(shape)
@@ -247,6 +258,7 @@ def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
   tps = {k: rows * T / v for k, v in med.items()}
   gflops = {k: model_flops(shape) / v / 1e9 for k, v in med.items()}
   first = f"ours[{variants[0]}]"
+  rounds = paired_ratios(times)
   return dict(
     shape=shape, batch=[rows, T], params_m=round(model_lib.param_count(ours) / 1e6, 2),
     logprob_max_abs_diff=agree, model_gflop_per_step=round(model_flops(shape) / 1e9, 2),
@@ -256,6 +268,7 @@ def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
     gflops={k: round(v, 1) for k, v in gflops.items()},
     compile_s={k: round(v, 1) for k, v in compile_s.items()},
     ratio={k: round(tps[k] / tps["hf"], 3) for k in tps if k != "hf"},
+    ratio_rounds={k: [round(min(v), 3), round(max(v), 3)] for k, v in rounds.items()},
     ours_vs_hf=round(tps[first] / tps["hf"], 3),
   )  # fmt: skip
 
@@ -318,12 +331,17 @@ def main():
       f"{r['model_gflop_per_step']} model GFLOP/step; log-prob |ours - HF| <= "
       f"{r['logprob_max_abs_diff']:.1e}"
     )
-    print(f"  {'method':<28}{'step s':>9}{'tok/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs HF':>7}")
+    print(
+      f"  {'method':<28}{'step s':>9}{'tok/s':>10}{'GFLOP/s':>9}{'of matmul':>10}{'vs HF':>7}"
+      f"{'per round':>14}"
+    )
     for k in r["step_s"]:
       ratio = r["ratio"].get(k, 1.0)
+      lo_hi = r["ratio_rounds"].get(k)
+      spread = f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}x" if lo_hi else ""  # none for HF itself
       print(
         f"  {k:<28}{r['step_s'][k]:>9.4f}{r['tokens_per_s'][k]:>10.0f}{r['gflops'][k]:>9.1f}"
-        f"{r['gflops'][k] / peak:>10.1%}{ratio:>6.2f}x"
+        f"{r['gflops'][k] / peak:>10.1%}{ratio:>6.2f}x{spread:>14}"
       )
     print(f"  compile s (excluded): {r['compile_s']}")
   print(f"\nXLA float32 matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")

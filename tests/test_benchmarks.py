@@ -83,6 +83,15 @@ def _load(script):
   return module
 
 
+def test_train_step_pairs_each_round_with_the_baseline():
+  bench = _load("train_step.py")
+  times = {"ours[a]": [1.0, 2.0, 4.0], "ours[b]": [2.0, 2.0, 2.0], "hf": [2.0, 3.0, 2.0]}
+  got = bench.paired_ratios(times)
+  assert got == {"ours[a]": [2.0, 1.5, 0.5], "ours[b]": [1.0, 1.5, 1.0]}
+  with pytest.raises(ValueError):  # rounds must pair up
+    bench.paired_ratios({"ours[a]": [1.0], "hf": [1.0, 2.0]})
+
+
 def test_gpu_benchmark_knows_each_chips_bf16_peak():
   gpu = _load("gpu_train_step.py")
   kind = lambda name: type("Device", (), {"device_kind": name})()
