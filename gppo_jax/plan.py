@@ -214,7 +214,7 @@ def analytic_activation_bytes(
   layer_work = 2 * tokens * (4 * d + 3 * f // tp + 2 * (heads + 2 * kv) * dh) * item
   G, P = spec.group_size, spec.prompt_len
   impl = attention_impl(cfg, seq, backend)
-  keys = 0  # of each dense attention product (0: blockwise)
+  keys = 0  # of each dense attention product (0: none, blockwise, cuDNN or splash)
   if model_lib.attends_packed_groups(cfg, seq, P, G, backend):
     keys = model_lib.packed_group_len(seq, P, G)
     attn = 3 * max(1, rows // G) * heads * keys * keys * 4
