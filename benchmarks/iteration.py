@@ -159,6 +159,7 @@ def main(argv) -> None:
     return compare(flags.FLAGS.against, flags.FLAGS.pairs, flags.FLAGS.iterations, flags.FLAGS.out)
   from gppo_jax import experiment, train
 
+  experiment.keep_cpu_memory()  # as `python -m gppo_jax.train` runs
   experiment.quiet_libraries(flags.FLAGS)
   config = flags.FLAGS.config
   config.iterations = flags.FLAGS.iterations

@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import hf_checkpoint, objective, sharding, train_step  # noqa: E402
+from gppo_jax import experiment, hf_checkpoint, objective, sharding, train_step  # noqa: E402
 from gppo_jax import model as model_lib  # noqa: E402
 
 # name -> (HF Qwen2 config fields, batch rows, sequence length)
@@ -293,6 +293,9 @@ def main():
     "memory of one update at batch 1 for each (e.g. 2048,4096,8192)",
   )
   args = ap.parse_args()
+  # The trainer's host-memory setting (experiment.keep_cpu_memory), for both sides of the
+  # comparison: they share this process. GPPO_CPU_MEMORY=release: glibc's and JAX's defaults.
+  kept = experiment.keep_cpu_memory()
   torch.set_num_threads(2)
   defaults = model_lib.ModelConfig(1, 1, 1, 1, 1, 1, 2)
   variants = [v for v in args.variants.split(",") if v] or [
@@ -345,7 +348,10 @@ def main():
       )
     print(f"  compile s (excluded): {r['compile_s']}")
   print(f"\nXLA float32 matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")
-  summary = dict(benchmark="train_step", matmul_gflops=round(peak, 1), shapes=results)
+  print(f"host memory: {'kept for reuse' if kept else 'glibc and JAX defaults'} (GPPO_CPU_MEMORY)")
+  summary = dict(
+    benchmark="train_step", matmul_gflops=round(peak, 1), cpu_memory_kept=kept, shapes=results
+  )
   print(json.dumps(summary))
 
 

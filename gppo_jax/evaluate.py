@@ -218,6 +218,7 @@ def main(argv):
   from absl import flags
   from ml_collections import config_flags
 
+  experiment.keep_cpu_memory()  # before anything starts a JAX backend
   experiment.quiet_libraries(flags.FLAGS)
   experiment.use_compilation_cache()
   f = flags.FLAGS
