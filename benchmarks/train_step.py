@@ -11,9 +11,10 @@ threads each, in this one process:
   log-softmax, a PPO clipped loss on the same behaviour log-probs and advantages, backward,
   `clip_grad_norm_`, `torch.optim.AdamW.step`.
 
-Repeats are interleaved (this machine's speed drifts), compile and warm-up are excluded, medians
-compared; "per round" is the range of the ratios of the rounds (each HF run against ours of the
-same round), how far a single pair could mislead. Achieved GFLOP/s counts model FLOPs
+Repeats are interleaved (this machine's speed drifts), each timed step right after an untimed one
+of the same method (as in a training loop; the two share the process's heap), compile excluded,
+medians compared; "per round" is the range of the ratios of the rounds (each HF run against ours
+of the same round), how far a single pair could mislead. Achieved GFLOP/s counts model FLOPs
 (`plan.update_flops`: 6 x (layer parameters) per token, 6 x (LM head) per response token, plus
 causal attention, 6 x T x heads x head_dim per token and layer: the lower triangle only); it is
 compared with XLA's own float32 matmul rate on this machine (a 2048^3 `jnp.dot`, timed in the
@@ -245,11 +246,12 @@ def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
   for v in variants:
     methods[f"ours[{v}]"], compile_s[v] = ours_step(ours, v, batch)
   methods["hf"] = hf_step(hf, batch)
-  for fn in methods.values():  # warm-up: allocator, oneDNN kernels, first-call paths
-    fn()
   times = {k: [] for k in methods}
   for _ in range(repeats):
     for name, fn in methods.items():
+      # Each timed step follows an untimed one of its own, as in a training loop: not straight
+      # after the other side's step, whose allocations the two share this process' heap with.
+      fn()
       t = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - t)
