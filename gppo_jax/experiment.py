@@ -341,7 +341,16 @@ def keep_cpu_memory() -> bool:
     return False
   # Read when JAX creates its CPU client, so it must come first; harmless if it never does.
   jax.config.update("jax_cpu_enable_async_dispatch", False)
-  if jax.default_backend() != "cpu":
+  # Finding the backend starts JAX's, before quiet_libraries: keep its INFO lines about absent
+  # plugins ("Unable to initialize backend 'tpu'") off the console, as the commands do.
+  bridge = logging.getLogger("jax._src.xla_bridge")
+  level = bridge.level
+  bridge.setLevel(max(level, logging.WARNING))
+  try:
+    platform = jax.default_backend()
+  finally:
+    bridge.setLevel(level)
+  if platform != "cpu":
     return False
   ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
   ok = libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1 and ok
