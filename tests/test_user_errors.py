@@ -411,6 +411,21 @@ def test_cli_reports_user_errors_in_one_line(tmp_path):
   )
 
 
+def test_train_cli_bad_value_is_one_line_after_the_host_memory_set_up(tmp_path):
+  """The train command finds its platform first (experiment.keep_cpu_memory) without JAX's own
+  INFO lines about absent plugins reaching the console, here without JAX_PLATFORMS (JAX then
+  probes for a TPU); a bad config value is still one error line, and so is a bad
+  GPPO_CPU_MEMORY."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "GPPO_CPU_MEMORY")}
+  cmd = [sys.executable, "-m", "gppo_jax.train", "--config=configs/kl_atomic.py"]
+  cmd += [f"--workdir={tmp_path}", "--config.rollout.prompts_per_iter=0"]
+  run = lambda **extra: subprocess.run(
+    cmd, cwd=REPO, env=dict(env, **extra), capture_output=True, text=True, timeout=120
+  )
+  _one_error_line(run(), "rollout.prompts_per_iter=0: must be an integer >= 1")
+  _one_error_line(run(GPPO_CPU_MEMORY="lots"), "GPPO_CPU_MEMORY='lots'; valid: keep, release")
+
+
 def test_plan_cli_rejects_bad_config_before_any_work():
   p = _run(["-m", "gppo_jax.plan", "--config=configs/kl_atomic.py:smok"], REPO)
   _one_error_line(p, "unknown config argument 'smok'", "did you mean 'smoke'")
