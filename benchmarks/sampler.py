@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import architectures, sampler  # noqa: E402
+from gppo_jax import architectures, experiment, sampler  # noqa: E402
 from gppo_jax import model as model_lib  # noqa: E402
 
 HF_SHAPE = dict(
@@ -130,6 +130,9 @@ def main():
   ap.add_argument("--scan", type=int, default=0, help="also time the layer scan decode (0/1)")
   ap.add_argument("--compile-only", type=int, default=0, help="only time ours' compile (0/1)")
   args = ap.parse_args()
+  # The trainer's host-memory setting (experiment.keep_cpu_memory), for both sides of the
+  # comparison: they share this process. GPPO_CPU_MEMORY=release: glibc's and JAX's defaults.
+  kept = experiment.keep_cpu_memory()
   torch.set_num_threads(2)
   B, P, N, G = args.batch, args.prompt, args.new, args.group
   if B % G:
@@ -227,9 +230,10 @@ def main():
     weights_copied=copied, greedy_agreement=agree,
     tokens_per_s={k: round(v, 1) for k, v in tps.items()},
     tokens_per_s_best={k: round(v, 1) for k, v in best.items()},
-    compile_s={k: round(v, 2) for k, v in compile_s.items()},
+    compile_s={k: round(v, 2) for k, v in compile_s.items()}, cpu_memory_kept=kept,
     **{k: round(v, 3) for k, v in ratios.items()},
   )  # fmt: skip
+  print(f"host memory: {'kept for reuse' if kept else 'glibc and JAX defaults'} (GPPO_CPU_MEMORY)")
   print(json.dumps(result))
 
 

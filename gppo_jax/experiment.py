@@ -327,10 +327,10 @@ def keep_cpu_memory() -> bool:
   time, the small shape's 0.86x (README "Performance"). The price: freed memory stays with the
   process (up to 2 GiB of it at the heap's top) instead of going back to the system.
 
-  Process-wide, so only the commands call it (train, evaluate, benchmarks/train_step.py and
-  iteration.py), first thing, before any JAX backend exists. $GPPO_CPU_MEMORY=release leaves
-  glibc's and JAX's defaults. Nothing changes on GPU or TPU backends, or where the C library is
-  not glibc.
+  Process-wide, so only the commands call it (train, evaluate, benchmarks/train_step.py,
+  sampler.py and iteration.py), first thing, before any JAX backend exists.
+  $GPPO_CPU_MEMORY=release leaves glibc's and JAX's defaults. Nothing changes on GPU or TPU
+  backends, or where the C library is not glibc.
   """
   choice = os.environ.get(CPU_MEMORY_ENV, "keep").strip().lower() or "keep"
   if choice not in CPU_MEMORY_CHOICES:
