@@ -563,12 +563,21 @@ def test_warm_start_cache_folder_is_a_machine_setting(tmp_path, monkeypatch):
   assert sum("loaded cached policy" in x for x in logs) == 1
 
 
-def _cache_probe(tmp_path, **env_extra):
-  """(folder use_compilation_cache returned, files in tmp_path/xla) in a fresh process that
-  compiles one program after the call, with the session's cache variables removed."""
+def _fresh_python(code: str, env: dict) -> str:
+  """stdout of `python -c code` run in the repository with exactly `env` (must succeed)."""
   import subprocess
   import sys
 
+  p = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
+  return p.stdout
+
+
+def _cache_probe(tmp_path, **env_extra):
+  """(folder use_compilation_cache returned, files in tmp_path/xla) in a fresh process that
+  compiles one program after the call, with the session's cache variables removed."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "GPPO_XLA"))}
   env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **env_extra)
   code = (
@@ -577,14 +586,10 @@ def _cache_probe(tmp_path, **env_extra):
     "print(experiment.use_compilation_cache())\n"
     "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()\n"
   )
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  p = subprocess.run(
-    [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120
-  )
-  assert p.returncode == 0, p.stderr[-2000:]
+  out = _fresh_python(code, env)
   folder = tmp_path / "xla"
   files = [f for f in folder.rglob("*") if f.is_file()] if folder.exists() else []
-  return p.stdout.strip().splitlines()[-1], files
+  return out.strip().splitlines()[-1], files
 
 
 def test_commands_keep_compiled_programs_in_a_persistent_cache(tmp_path):
@@ -606,9 +611,6 @@ def test_commands_keep_compiled_programs_in_a_persistent_cache(tmp_path):
 def _memory_probe(**env_extra) -> tuple[str, str, int, float]:
   """(keep_cpu_memory's result, JAX's async-dispatch setting after it, the temporaries of a
   program with a 64 MiB scratch buffer, page faults per call of it) in a fresh process."""
-  import subprocess
-  import sys
-
   env = {k: v for k, v in os.environ.items() if k != experiment.CPU_MEMORY_ENV}
   env.update(JAX_PLATFORMS="cpu", **env_extra)
   code = (
@@ -624,12 +626,7 @@ def _memory_probe(**env_extra) -> tuple[str, str, int, float]:
     "temp = c.memory_analysis().temp_size_in_bytes\n"
     "print(kept, jax.config.values['jax_cpu_enable_async_dispatch'], temp, faults)\n"
   )
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  p = subprocess.run(
-    [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=120
-  )
-  assert p.returncode == 0, p.stderr[-2000:]
-  kept, dispatch, temp, faults = p.stdout.split()[-4:]
+  kept, dispatch, temp, faults = _fresh_python(code, env).split()[-4:]
   return kept, dispatch, int(temp), float(faults)
 
 
