@@ -368,8 +368,9 @@ def get_config(arg=None):
 """
 
 
-def _run(args, cwd):
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+def _run(args, cwd, env=None):
+  """`python *args` in cwd; env: the whole environment (default: this one on JAX's CPU)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu") if env is None else env
   return subprocess.run(
     [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
   )
@@ -417,11 +418,9 @@ def test_train_cli_bad_value_is_one_line_after_the_host_memory_set_up(tmp_path):
   probes for a TPU); a bad config value is still one error line, and so is a bad
   GPPO_CPU_MEMORY."""
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "GPPO_CPU_MEMORY")}
-  cmd = [sys.executable, "-m", "gppo_jax.train", "--config=configs/kl_atomic.py"]
-  cmd += [f"--workdir={tmp_path}", "--config.rollout.prompts_per_iter=0"]
-  run = lambda **extra: subprocess.run(
-    cmd, cwd=REPO, env=dict(env, **extra), capture_output=True, text=True, timeout=120
-  )
+  args = ["-m", "gppo_jax.train", "--config=configs/kl_atomic.py", f"--workdir={tmp_path}"]
+  args += ["--config.rollout.prompts_per_iter=0"]
+  run = lambda **extra: _run(args, REPO, env=dict(env, **extra))
   _one_error_line(run(), "rollout.prompts_per_iter=0: must be an integer >= 1")
   _one_error_line(run(GPPO_CPU_MEMORY="lots"), "GPPO_CPU_MEMORY='lots'; valid: keep, release")
 
