@@ -529,27 +529,39 @@ def cudnn(
   """jax.nn.dot_product_attention with cuDNN's fused causal kernel.
 
   cuDNN masks padding by sequence length (keys j >= length), so each row is rotated left by its
-  number of leading pads, attended with is_causal and key_value_seq_lengths, and rotated back.
+  number of leading pads (`left_align`), attended (`cudnn_left_aligned`) and rotated back.
   Exact for real tokens when each row's real tokens form one contiguous run; pad outputs are
-  unspecified. `implementation="xla"` runs the same rotation on any backend (tests).
+  unspecified. `implementation="xla"` runs the same rotation on any backend (tests). The model
+  rotates its rows once around all layers instead (`Transformer.__call__`).
   """
-  B, T = mask.shape
+  fwd, back, length = left_align(mask)
+  rot = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+  out = cudnn_left_aligned(
+    rot(q, fwd), rot(k, fwd), rot(v, fwd), length, implementation=implementation
+  )
+  return rot(out, back)
+
+
+def left_align(mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(fwd, back, length) for mask bool [B, T] whose rows hold one contiguous run of real tokens:
+  take_along_axis(x, fwd, 1) rotates each row left so that its real tokens come first, `back`
+  rotates it back, and length int32 [B] counts the real tokens (at least 1)."""
+  T = mask.shape[1]
   mask = mask.astype(bool)
   start = jnp.argmax(mask, axis=1).astype(jnp.int32)  # first real token (0 if none)
   length = jnp.maximum(jnp.sum(mask, axis=1, dtype=jnp.int32), 1)
   ar = jnp.arange(T, dtype=jnp.int32)[None]
-  fwd = ((ar + start[:, None]) % T)[:, :, None, None]
-  back = ((ar - start[:, None]) % T)[:, :, None, None]
-  rot = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
-  out = jax.nn.dot_product_attention(
-    rot(q, fwd),
-    rot(k, fwd),
-    rot(v, fwd),
-    is_causal=True,
-    key_value_seq_lengths=length,
-    implementation=implementation,
+  return (ar + start[:, None]) % T, (ar - start[:, None]) % T, length
+
+
+def cudnn_left_aligned(
+  q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, *, implementation: str = "cudnn"
+) -> jax.Array:
+  """Causal attention of rows whose first length[b] tokens are real and the rest padding
+  (`left_align`): cuDNN's kernel with key_value_seq_lengths. Pad outputs are unspecified."""
+  return jax.nn.dot_product_attention(
+    q, k, v, is_causal=True, key_value_seq_lengths=length, implementation=implementation
   )
-  return rot(out, back)
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,6 +113,53 @@ def test_chunked_head_gradients_equal_naive(tied, chunk_size):
   chex.assert_trees_all_close(grad(chunked), grad(naive), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [3, None])
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_head_backward_multiplies_bf16_operands_and_matches_float32(tied, chunk_size):
+  """With bf16 hidden states the head's backward runs its two matmuls on bf16 operands (autodiff
+  would multiply the float32 logits cotangent by bf16 W: a float32 matmul, TF32 on a GPU), and
+  its gradients stay within bf16 rounding of the float32 head's; W's gradient keeps W's dtype."""
+  rng = np.random.default_rng(3)
+  B, T, D, V = 2, 11, 32, 96
+  hidden = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  w = jnp.asarray(0.3 * rng.standard_normal((V, D) if tied else (D, V)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, V, (B, T)))
+  weights = jnp.asarray(rng.random((B, T)), jnp.float32)
+
+  def loss(h, w):
+    s = model.chunked_logprob_stats(h, w, targets, tied=tied, chunk_size=chunk_size, entropy=True)
+    return jnp.sum(weights * (s["logprobs"] + 0.3 * s["entropy"]))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  dh, dw = grad(hidden.astype(jnp.bfloat16), w)
+  assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  ref_dh, ref_dw = grad(hidden.astype(jnp.bfloat16).astype(jnp.float32), w)
+  for got, want in ((dh, ref_dh), (dw, ref_dw)):
+    err = jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+    assert err < 2e-2, err
+  dots = [
+    e
+    for e in jax.make_jaxpr(grad)(hidden.astype(jnp.bfloat16), w).eqns
+    for e in _all_eqns(e)
+    if e.primitive.name == "dot_general"
+  ]
+  assert len(dots) >= 3  # the forward, then dh and dW
+  assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), [
+    [v.aval.dtype for v in e.invars] for e in dots
+  ]
+
+
+def _all_eqns(eqn):
+  """eqn and every equation nested in its sub-jaxprs (scan, remat, custom_vjp, pjit ...)."""
+  yield eqn
+  for param in eqn.params.values():
+    for sub in param if isinstance(param, (list, tuple)) else [param]:
+      jaxpr = getattr(sub, "jaxpr", sub)
+      if hasattr(jaxpr, "eqns"):
+        for inner in jaxpr.eqns:
+          yield from _all_eqns(inner)
+
+
 def test_default_head_chunks_and_rematerialises_only_large_logits(monkeypatch):
   """chunk_size None: logits within ONE_CHUNK_BYTES run as one piece without remat; past it the
   head walks CHUNK_SIZE-position chunks under jax.checkpoint, as an explicit chunk_size does."""
