@@ -2,8 +2,10 @@
 
 One prepared run for a GPU (or TPU) session, on whatever backend jax finds:
 
-  python benchmarks/gpu_train_step.py                         # Qwen2.5-0.5B shape, bf16
-  python benchmarks/gpu_train_step.py --variants full/auto,dots/auto,none/auto --long 8192,16384
+  python benchmarks/gpu_train_step.py                         # Qwen2.5-0.5B shape, bf16,
+                                                              # remat attention and dots
+  python benchmarks/gpu_train_step.py --variants dots/auto,dots/auto/unroll --batch 16 \
+    --long 8192,16384,32768                                   # the README's H200 figures
   python benchmarks/gpu_train_step.py --arch tiny --batch 2 --length 128 --long 256 --steps 2
                                                               # a CPU smoke run of the script
 
@@ -17,9 +19,12 @@ One prepared run for a GPU (or TPU) session, on whatever backend jax finds:
    batch of `--batch` x `--length` tokens (the last `--length - --prompt` carry the loss) of a
    named architecture (`--arch`, gppo_jax/architectures.py) with random weights. Compute dtype
    `--dtype` (bf16), parameters and optimizer state in `--param-dtype` (float32: the usual mixed
-   precision). Per variant remat/attention it reports the median step time, tokens/s, achieved
-   model TFLOP/s (`plan.update_flops`: no credit for recomputation) and MFU against the chip's
-   dense bf16 peak (`plan.PLATFORM_BF16_TFLOPS`, from the device kind; `--peak-tflops` to set it).
+   precision). Per variant remat/attention[/scan|unroll] (`model.remat`, `model.attention`,
+   `model.scan_layers`) it reports the median step time, tokens/s, achieved model TFLOP/s
+   (`plan.update_flops`: no credit for recomputation) and MFU against the chip's dense bf16
+   peak (`plan.PLATFORM_BF16_TFLOPS`, from the device kind; `--peak-tflops` to set it) and
+   against XLA's matmul rate. `--profile DIR` traces the first variant (or `--profile-variant`)
+   and prints its top kernels.
 2. Long context. For each of `--long` T: XLA's compiled temporaries of one update on one sequence
    of T tokens, and where it fits, one executed step with the device's peak bytes in use
    (`memory_stats`, where the backend reports it).
@@ -120,8 +125,15 @@ def attention_parity(cfg: architectures.ModelConfig, length: int, name: str, row
   return {key: (float(f"{x:.3g}") if isinstance(x, float) else x) for key, x in result.items()}
 
 
+LAYERS = {"scan": True, "unroll": False}  # a variant's third field: model.scan_layers
+
+
 def model_config(args, variant: str) -> architectures.ModelConfig:
-  remat, attn = variant.split("/")
+  """The model of variant "remat/attention[/scan|unroll]"; ValueError for a bad one."""
+  remat, attn, *rest = variant.split("/")
+  layers = rest[0] if rest else "scan"
+  if len(rest) > 1 or layers not in LAYERS:
+    raise ValueError(f"expected remat/attention[/scan|unroll], got {variant!r}")
   base = architectures.ARCHITECTURES[args.arch]
   return dataclasses.replace(
     base,
@@ -129,6 +141,7 @@ def model_config(args, variant: str) -> architectures.ModelConfig:
     param_dtype=args.param_dtype,
     remat=remat,
     attention=attn,
+    scan_layers=LAYERS[layers],
     max_position_embeddings=max(base.max_position_embeddings, args.length, *args.long),
   )
 
@@ -296,7 +309,9 @@ def main() -> None:
   ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (no loss)")
   ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
   ap.add_argument(
-    "--variants", default="full/auto,dots/auto", help="remat/attention pairs, comma-separated"
+    "--variants",
+    default="attention/auto,dots/auto,dots/auto/unroll",
+    help="remat/attention[/scan|unroll] variants, comma-separated",
   )
   ap.add_argument("--long", default="8192", help="long-context lengths (batch 1), '' for none")
   ap.add_argument(
@@ -322,7 +337,7 @@ def main() -> None:
     try:
       model_config(args, v)
     except ValueError as e:
-      ap.error(f"--variants entry {v!r} (remat/attention): {e}")
+      ap.error(f"--variants entry {v!r} (remat/attention[/scan|unroll]): {e}")
 
   device = jax.devices()[0]
   peak = args.peak_tflops or peak_tflops(device)
@@ -338,7 +353,9 @@ def main() -> None:
     flush=True,
   )
   n = args.matmul_n if args.matmul_n is not None else (1024 if device.platform == "cpu" else 8192)
-  matmul = guarded("matmul", lambda: {"n": n, "tflops": round(matmul_tflops(n), 1)}) if n else {}
+  matmul = (
+    guarded("matmul", lambda: {"n": n, "tflops": float(f"{matmul_tflops(n):.4g}")}) if n else {}
+  )
   if "tflops" in matmul:
     print(f"  XLA bf16 matmul {n}^3: {matmul['tflops']:.1f} TFLOP/s", flush=True)
   parity = {}

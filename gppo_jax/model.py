@@ -394,8 +394,8 @@ class Transformer(nnx.Module):
     return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, impl)
 
   def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-    """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
-    each step rematerialised by cfg.remat; returns the final-norm hidden states."""
+    """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights
+    (unrolled unless cfg.scan_layers), each step rematerialised by cfg.remat."""
     cfg = self.cfg
     inv_freq = rope_inv_freq(cfg)
 
@@ -405,7 +405,7 @@ class Transformer(nnx.Module):
 
     if REMAT_POLICIES[cfg.remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, self.layers.arrays())
+    x, _ = jax.lax.scan(step, x, self.layers.arrays(), unroll=not cfg.scan_layers)
     return x
 
   def shared_prompt_hidden(

@@ -31,7 +31,9 @@ def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
   desc = {
     "version": CACHE_VERSION,
     "task": repr(dataclasses.replace(env.task, description="")),  # the problems, not the prose
-    "model": dataclasses.asdict(model_cfg),
+    # Whether the layers are scanned or unrolled is how they compile, not what they learn (and
+    # leaving it out keeps the caches written before the field existed).
+    "model": {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "scan_layers"},
     "warmstart": {
       k: ws_cfg[k]
       for k in ("target_accuracy", "max_steps", "eval_every", "eval_size", "batch_size", "lr")

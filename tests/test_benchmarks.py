@@ -103,16 +103,24 @@ def test_gpu_benchmark_knows_each_chips_bf16_peak():
 
 
 def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_path):
-  """The accelerator script's CPU smoke run: one variant, a long-context compile and step."""
+  """The accelerator script's CPU smoke run: a scanned and an unrolled variant (the first
+  profiled), the matmul rate, attention parity, a long-context compile and step."""
   p = _run(
     tmp_path, "gpu_train_step.py", "--arch", "tiny", "--batch", "2", "--length", "64",
-    "--prompt", "16", "--steps", "1", "--variants", "full/auto", "--long", "256",
+    "--prompt", "16", "--steps", "1", "--variants", "full/auto,dots/auto/unroll", "--long", "256",
+    "--matmul-n", "256", "--profile", str(tmp_path / "trace"), "--json", str(tmp_path / "o.json"),
   )  # fmt: skip
   assert p.returncode == 0, p.stderr[-2000:]
-  out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+  out = json.loads((tmp_path / "o.json").read_text())
+  assert out == json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
   t = out["timing"]["full/auto"]
   assert t["loss_finite"] and t["step_s"] > 0 and t["tflops"] > 0
   assert out["peak_tflops"] is None and "mfu" not in t  # a CPU has no bf16 peak to divide by
+  assert t["profile"]["top_ms"] and "profile" not in out["timing"]["dots/auto/unroll"]
+  assert out["timing"]["dots/auto/unroll"]["loss_finite"] and out["matmul"]["tflops"] > 0
+  # On CPU "auto" is dense: the one implementation checked against dense float32 is blockwise.
+  assert set(out["attention_parity"]) == {"dense", "blockwise"}
+  assert all(0 < e < 2e-2 for e in out["attention_parity"]["blockwise"].values())
   mem = out["long_context"]
   assert mem["256"]["temp_gib"] > 0 and mem["256"]["step_s"] > 0  # (growth: the test above)
 

@@ -350,3 +350,26 @@ def test_remat_keeps_gradients_and_saves_memory():
   assert results["full"][1] < results["none"][1]
   with pytest.raises(ValueError, match="remat"):
     architectures.get("tiny", remat="some")
+
+
+def test_unrolled_layers_equal_the_scan():
+  """model.scan_layers=False: the same hidden states and gradients, the layers compiled one by
+  one (no loop over them in the compiled update)."""
+  base = architectures.get("tiny", intermediate_size=64, num_layers=3)
+  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(4)
+  state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
+  tokens, mask, positions, _ = _batch(B=2, T=16)
+  results, loops = {}, {}
+  for scan in (True, False):
+    graphdef = model.abstract_graphdef(dataclasses.replace(base, scan_layers=scan))
+
+    def loss(state, graphdef=graphdef):
+      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
+      return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    results[scan] = grad(state)
+    loops[scan] = grad.lower(state).compile().as_text().count(" while(")
+  chex.assert_trees_all_close(results[False], results[True], atol=1e-4, rtol=1e-4)
+  assert loops[False] < loops[True], loops

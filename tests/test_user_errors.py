@@ -157,6 +157,7 @@ BAD_VALUES = [
   ("model.remat", "partial"),
   ("model.attention", "flash"),
   ("model.cpu_matmul", "eigen"),
+  ("model.scan_layers", "no"),
   ("mesh.data", 0),
   ("mesh.tensor", -2),
 ]
