@@ -29,9 +29,10 @@ same run). Ends with one JSON line.
   python benchmarks/train_step.py --shape small --memory 2048,4096,8192 \
       --variants full/auto,full/dense                       # compiled memory, nothing timed
 
-`--variants` times several of our configurations (remat/attention[/cpu_matmul], the config's
-`model.remat`, `model.attention` and `model.cpu_matmul`, the last "auto" when left out) in the same
-run; the first one is the one the ratio and JSON line's "ours" refer to.
+`--variants` times several of our configurations (remat/attention[/cpu_matmul[/scan|unroll]],
+the config's `model.remat`, `model.attention`, `model.cpu_matmul` ("auto" when left out) and
+`model.scan_layers` ("scan" when left out)) in the same run; the first one is the one the ratio
+and JSON line's "ours" refer to.
 """
 
 from __future__ import annotations
@@ -124,16 +125,30 @@ def model_flops(shape: str) -> float:
 
 def variant_update(cfg, variant: str):
   """(jitted update with the state donated, optimizer, spec) of our trainer for a model config
-  and a variant 'remat/attention[/cpu_matmul]': the step both the timing and the memory figures
-  use, compiled with the trainer's options (`sharding.update_compiler_options`)."""
-  remat, attention, cpu_matmul = (variant + "/auto").split("/")[:3]
-  cfg = dataclasses.replace(cfg, remat=remat, attention=attention)
+  and a variant 'remat/attention[/cpu_matmul[/scan|unroll]]': the step both the timing and the
+  memory figures use, compiled with the trainer's options (`sharding.update_compiler_options`)."""
+  remat, attention, cpu_matmul, layers = parse_variant(variant)
+  cfg = dataclasses.replace(cfg, remat=remat, attention=attention, scan_layers=layers == "scan")
   tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
   loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
   spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
   update = train_step.make_update_fn(model_lib.abstract_graphdef(cfg), tx, spec)
   options = sharding.update_compiler_options(cpu_matmul, cfg.hidden_size, jax.default_backend())
   return jax.jit(update, donate_argnums=0, compiler_options=options), tx, spec
+
+
+def parse_variant(variant: str) -> tuple[str, str, str, str]:
+  """(remat, attention, cpu_matmul, layers) of 'remat/attention[/cpu_matmul[/scan|unroll]]'
+  (cpu_matmul "auto" and layers "scan" when left out); ValueError for a malformed one."""
+  parts = variant.split("/")
+  if not 2 <= len(parts) <= 4:
+    raise ValueError(f"expected remat/attention[/cpu_matmul[/scan|unroll]], got {variant!r}")
+  remat, attention, cpu_matmul, layers = parts + ["auto", "scan"][len(parts) - 2 :]
+  if cpu_matmul not in sharding.CPU_MATMULS or layers not in ("scan", "unroll"):
+    raise ValueError(
+      f"{variant!r}: cpu_matmul one of {', '.join(sharding.CPU_MATMULS)}; layers scan or unroll"
+    )
+  return remat, attention, cpu_matmul, layers
 
 
 def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
@@ -304,12 +319,10 @@ def main():
     f"{defaults.remat}/{defaults.attention}"
   ]
   for v in variants:
-    parts = v.split("/")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in sharding.CPU_MATMULS):
-      ap.error(
-        f"--variants entry {v!r}: expected remat/attention[/cpu_matmul], cpu_matmul one of "
-        + ", ".join(sharding.CPU_MATMULS)
-      )
+    try:
+      parse_variant(v)
+    except ValueError as e:
+      ap.error(f"--variants entry: {e}")
   shapes = list(SHAPES) if args.shape == "both" else [args.shape]
   if args.length and args.length <= PROMPT_LEN:
     ap.error(f"--length {args.length}: rows are a {PROMPT_LEN}-token prompt + the response")

@@ -51,10 +51,17 @@ def test_update_memory_benchmark_blockwise_grows_slower_than_dense(tmp_path):
 
 
 def test_update_benchmark_names_a_bad_variant_before_building_anything(tmp_path):
-  """--variants remat/attention[/cpu_matmul]: an unknown kernel choice is a usage error."""
+  """--variants remat/attention[/cpu_matmul[/scan|unroll]]: an unknown kernel or layer choice
+  is a usage error."""
   p = _run(tmp_path, "train_step.py", "--shape", "tiny", "--variants", "attention/auto/eigen")
   assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
   assert "'attention/auto/eigen'" in p.stderr and "auto, xla, ynnpack" in p.stderr, p.stderr
+  bad = "attention/auto/xla/loop"
+  p = _run(
+    tmp_path, "train_step.py", "--shape", "tiny", "--variants", f"none/auto/xla/unroll,{bad}"
+  )
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert f"'{bad}'" in p.stderr and "scan or unroll" in p.stderr, p.stderr
 
 
 def test_attention_benchmark_times_each_tile_against_the_chosen_one(tmp_path):
