@@ -193,12 +193,11 @@ def analytic_activation_bytes(
 
   One micro-batch of rows split over data x fsdp: the saved layer inputs (and the attention's
   residuals with remat "attention"; every weight matmul's output with "dots"; every
-  intermediate without remat), one layer's
-  forward and backward working set, the chunked log-prob head, and
-  gradient-sized buffers. Attention: dense keeps float32 scores, probabilities and their
-  gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where shared prompts attend
-  on packed groups of S tokens); the linear-memory implementations (blockwise, cudnn, splash)
-  one such block of tiles plus float32 per-token accumulators.
+  intermediate without remat), one layer's forward and backward working set, the chunked
+  log-prob head, and gradient-sized buffers. Attention: dense keeps float32 scores,
+  probabilities and their gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where
+  shared prompts attend on packed groups of S tokens); the linear-memory implementations
+  (blockwise, cudnn, splash) one such block of tiles plus float32 per-token accumulators.
   Calibrated against the compiled plan of 7-8B models with ~3k-token responses to within ~20%.
   It undercounts long sequences, where XLA's temporaries grow past the logical residuals: the
   7B math config with 16k-token responses on a v5p-64 estimates 35.7 GiB against the compiled

@@ -54,6 +54,16 @@ def _compile_flags() -> str:
 COMPILE_FLAGS = _compile_flags()
 
 
+def all_eqns(jaxpr):
+  """The equations of a jaxpr and of every jaxpr nested in them (scan, remat, pjit ...)."""
+  from jax.extend.core import jaxprs_in_params  # not at import: jax must come after XLA_FLAGS
+
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jaxprs_in_params(eqn.params):
+      yield from all_eqns(sub)
+
+
 def one_device_env() -> dict[str, str]:
   """The environment for a child command on one CPU device (no simulated devices), with the
   session's compile flags and compilation cache."""

@@ -9,12 +9,12 @@ import dataclasses
 import functools
 
 import chex
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 from gppo_jax import architectures, model, sharding
 from gppo_jax import attention as attn
@@ -266,11 +266,7 @@ def test_model_equals_dense(impl, weights, dense_model, monkeypatch):
 
 def _count(jaxpr, name):
   """Occurrences of primitive `name` in a jaxpr, nested jaxprs included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == name
-    n += sum(_count(sub, name) for sub in jaxprs_in_params(eqn.params))
-  return n
+  return sum(eqn.primitive.name == name for eqn in conftest.all_eqns(jaxpr))
 
 
 def test_remat_attention_keeps_the_blockwise_forward(weights, dense_model):

@@ -3,12 +3,12 @@
 import dataclasses
 
 import chex
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 from gppo_jax import architectures, errors, model, partitioning
 
@@ -139,19 +139,11 @@ def test_bf16_head_backward_multiplies_bf16_operands_and_matches_float32(tied, c
     err = jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
     assert err < 2e-2, err
   jaxpr = jax.make_jaxpr(grad)(hidden.astype(jnp.bfloat16), w).jaxpr
-  dots = [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  dots = [e for e in conftest.all_eqns(jaxpr) if e.primitive.name == "dot_general"]
   assert len(dots) >= 3  # the forward, then dh and dW
   assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), [
     [v.aval.dtype for v in e.invars] for e in dots
   ]
-
-
-def _all_eqns(jaxpr):
-  """The equations of a jaxpr and of every jaxpr nested in them (scan, remat, pjit ...)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jaxprs_in_params(eqn.params):
-      yield from _all_eqns(sub)
 
 
 def test_default_head_chunks_and_rematerialises_only_large_logits(monkeypatch):
