@@ -1,10 +1,11 @@
 """Causal self-attention, forward + backward, by implementation and blockwise tile (CPU).
 
 For each shape it times the gradient of one attention call (what one layer of a training step
-runs) for dense attention and for blockwise attention at several tiles, repeats interleaved
-(this machine's speed drifts), medians compared, and prints each one's time relative to the tile
-`attention.block_size` picks for that length (the training default on this backend). Ends with
-one JSON line.
+runs): what `model.attention="auto"` runs there (the training default on this backend), dense
+attention, and blockwise attention at several tiles, looping over the tiles and, up to
+UNROLLED_MAX_TILES tiles, unrolled (`attention.UNROLL_MAX_LEN`); repeats interleaved (this
+machine's speed drifts), medians compared, each one's time relative to "auto". Ends with one
+JSON line.
 
   python benchmarks/attention.py                                   # the default shapes
   python benchmarks/attention.py --shapes 16x256x4x2x32,2x1024x8x4x64 --tiles 64,128,256,512
@@ -33,15 +34,17 @@ from gppo_jax import attention  # noqa: E402
 
 SHAPES = "16x256x4x2x32,8x256x8x4x64,4x512x8x4x64,2x1024x8x4x64,1x2048x8x4x64"
 DENSE_MAX_T = 1024  # dense's [T, T] scores per head: skipped beyond this length
+UNROLLED_MAX_TILES = 16  # unrolled blockwise: one program piece per tile, skipped beyond
 
 
-def grad_fn(impl: str, tile: int | None = None):
-  """jit(q, k, v, mask) -> d/d(q, k, v) of sum(sin(attention)) for `impl`."""
+def grad_fn(impl: str, tile: int | None = None, unroll: bool = False):
+  """jit(q, k, v, mask) -> d/d(q, k, v) of sum(sin(attention)) for `impl` ("auto", "dense" or
+  "blockwise" with a tile, looped or unrolled)."""
 
   def attend(q, k, v, mask):
-    if impl == "dense":
-      return attention.attention(q, k, v, mask, impl="dense")
-    return attention.blockwise(q, k, v, mask, block_size=tile)
+    if impl in ("auto", "dense"):
+      return attention.attention(q, k, v, mask, impl=impl)
+    return attention.blockwise(q, k, v, mask, block_size=tile, unroll=unroll)
 
   loss = lambda q, k, v, mask: jnp.sum(jnp.sin(attend(q, k, v, mask)))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -54,9 +57,16 @@ def bench_shape(shape: tuple[int, ...], tiles: list[int], repeats: int, inner: i
   q, k, v = draw(B, T, H, Dh), draw(B, T, K, Dh), draw(B, T, K, Dh)
   mask = jnp.ones((B, T), bool)
   chosen = attention.block_size(T)
+  auto = attention.resolve("auto", seq_len=T, dtype=jnp.float32, head_dim=Dh)
+  if auto == "blockwise":
+    auto += f"/{chosen}, {'unrolled' if attention.unrolled(T) else 'loops'}"
   # Tiles longer than T are one tile of T, as the chosen one may be.
   timed = sorted({t for t in tiles if t <= T} | {chosen})
-  methods = {f"blockwise/{t}": grad_fn("blockwise", t) for t in timed}
+  methods = {"auto": grad_fn("auto")}
+  for t in timed:
+    methods[f"loop/{t}"] = grad_fn("blockwise", t)
+    if -(-T // t) <= UNROLLED_MAX_TILES:
+      methods[f"unrolled/{t}"] = grad_fn("blockwise", t, unroll=True)
   if T <= DENSE_MAX_T:
     methods["dense"] = grad_fn("dense")
   ref = None
@@ -74,13 +84,14 @@ def bench_shape(shape: tuple[int, ...], tiles: list[int], repeats: int, inner: i
         jax.block_until_ready(fn(q, k, v, mask))
       times[name].append((time.perf_counter() - t0) / inner)
   med = {name: statistics.median(ts) for name, ts in times.items()}
-  base = med[f"blockwise/{chosen}"]
+  base = med["auto"]
   backend = jax.default_backend()
-  print(f"\n[B={B}, T={T}, H={H}, K={K}, Dh={Dh}]  chosen tile on {backend}: {chosen}")
-  print(f"  {'method':<18}{'ms':>10}{'vs chosen':>11}")
+  print(f"\n[B={B}, T={T}, H={H}, K={K}, Dh={Dh}]  auto on {backend}: {auto}")
+  print(f"  {'method':<18}{'ms':>10}{'vs auto':>11}")
   for name, s in med.items():
     print(f"  {name:<18}{s * 1e3:>10.2f}{s / base:>10.2f}x")
-  return {"shape": list(shape), "chosen_tile": chosen, "ms": {n: s * 1e3 for n, s in med.items()}}
+  ms = {n: s * 1e3 for n, s in med.items()}
+  return {"shape": list(shape), "auto": auto, "chosen_tile": chosen, "ms": ms}
 
 
 def main():

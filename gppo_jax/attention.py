@@ -9,7 +9,9 @@ padding for prompts, right padding after a response) unless an implementation sa
 - `dense`: the reference; builds the float32 [B, K, G, T, T] scores (quadratic memory).
 - `blockwise`: flash-style online softmax over key blocks with causal block skipping, and a
   `jax.custom_vjp` backward that recomputes each block from the saved log-sum-exp: memory O(T)
-  in the forward and the backward. Pure JAX: runs (and shards) on every backend.
+  in the forward and the backward. Pure JAX: runs (and shards) on every backend. On CPU "auto"
+  runs the query tiles of short sequences (`UNROLL_MAX_LEN`) unrolled instead, each against its
+  whole key prefix (faster there; not linear in memory).
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU (bf16 / fp16 only).
   cuDNN takes padding as sequence lengths, so each row is rotated to put its real tokens first;
   this needs the real tokens of a row to be one contiguous run (left-padded prompt +
@@ -50,6 +52,15 @@ BLOCK_SIZE = 512  # blockwise tile (queries and keys) on GPU / TPU; CPU: `block_
 # from ~1,024 tokens on, 256-token tiles beat both 512 (more wasted work above the diagonal) and
 # 64-128 (per-tile loop overhead).
 CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 256
+# CPU, up to this many tokens: "auto" runs blockwise's query tiles as straight-line code, each
+# tile against its whole key prefix in one product (`_unrolled_forward`): no loops, dynamic
+# slices or online rescaling, and larger matmuls. One layer's forward + backward
+# (benchmarks/attention.py, 2 cores, Intel VM) took 0.61x-0.64x the time of the loops at
+# [16, 256] tokens (4 heads, Dh 32), 0.91x-0.98x at [8, 256] (8 heads, Dh 64) and 0.85x at
+# [4, 512]; from 1,024 tokens the loops over 256-token tiles were faster (1.18x-1.20x at 2 x 1,024
+# and 1 x 2,048): XLA holds every tile's scores at once (about half of dense's [T, T] per head),
+# and beyond the caches that costs more than the loops save.
+UNROLL_MAX_LEN = 512
 # Key block of the scan decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
 SPLASH_BLOCK = 512
@@ -86,6 +97,13 @@ def block_size(seq_len: int, backend: str | None = None) -> int:
   return min(CPU_BLOCK_MAX, max(CPU_BLOCK_MIN, quarter))
 
 
+def unrolled(seq_len: int, backend: str | None = None) -> bool:
+  """Whether `attention` with impl "auto", where it resolves to blockwise, runs the tiles
+  unrolled for `seq_len` tokens on `backend` (default: jax's): on CPU up to `UNROLL_MAX_LEN`
+  tokens. Elsewhere, and for impl "blockwise" itself, loops (linear memory)."""
+  return (backend or jax.default_backend()) == "cpu" and seq_len <= UNROLL_MAX_LEN
+
+
 def attention(
   q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "auto"
 ) -> jax.Array:
@@ -95,7 +113,10 @@ def attention(
   if name == "dense":
     return dense_fused(q, k, v, self_allowed(mask))
   if name == "blockwise":
-    return blockwise(q, k, v, mask, block_size=block_size(q.shape[1]))
+    T = q.shape[1]
+    # "auto" on CPU unrolls short sequences' tiles (faster); "blockwise" loops (linear memory).
+    unroll = impl == "auto" and unrolled(T)
+    return blockwise(q, k, v, mask, block_size=block_size(T), unroll=unroll)
   if name == "cudnn":
     return cudnn(q, k, v, mask)
   return splash(q, k, v, mask)
@@ -336,31 +357,96 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
   return dq.astype(dt), unstack(dk).astype(k.dtype), unstack(dv).astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, mask, tile):
-  return _flash_forward(q, k, v, mask, tile)[0]
+def _prefix_scores(q, k, mask, i, tile):
+  """float32 [B,K,G,tile,(i+1)*tile]: query tile i's scaled scores against every key up to the
+  tile's end (the keys after it are causally excluded), -inf where not allowed."""
+  end = (i + 1) * tile
+  pos = jnp.arange(end)
+  qi = q[:, :, :, i * tile : end]
+  allowed = _block_allowed(pos[i * tile :], pos, mask[:, i * tile : end], mask[:, :end])
+  return qi, _scores(qi, k[:, :, :end], allowed, q.shape[-1] ** -0.5)
 
 
-def _flash_fwd(q, k, v, mask, tile):
-  out, lse = _flash_forward(q, k, v, mask, tile)
+def _unrolled_forward(q, k, v, mask, tile):
+  """_flash_forward with the query tiles unrolled: tile i's softmax over its key prefix at once
+  (no online rescaling)."""
+  n = q.shape[3] // tile
+  outs, lses = [], []
+  for i in range(n):
+    _, s = _prefix_scores(q, k, mask, i, tile)
+    m = jnp.max(s, axis=-1)  # finite: every query is allowed itself
+    p = jnp.exp(s - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    pv = jnp.einsum(
+      "bkgqs,bksd->bkgqd", p.astype(v.dtype), v[:, :, : (i + 1) * tile],
+      preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    outs.append((pv / l[..., None]).astype(q.dtype))
+    lses.append(m + jnp.log(l))
+  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+def _unrolled_backward(q, k, v, mask, out, lse, dout, tile):
+  """_flash_backward with the query tiles unrolled: tile i's gradients against its whole key
+  prefix; the prefix's key and value gradients are summed over tiles (zero-padded to Tp)."""
+  B, K, G, Tp, Dh = q.shape
+  n = Tp // tile
+  scale = Dh**-0.5
+  dt = q.dtype
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,G,Tp]
+  dqs = []
+  dk = dv = jnp.zeros((B, K, Dh, Tp), jnp.float32)  # transposed (see _key_grad)
+  for i in range(n):
+    end = (i + 1) * tile
+    rows = slice(i * tile, end)
+    qi, s = _prefix_scores(q, k, mask, i, tile)
+    doi = dout[:, :, :, rows]
+    p = jnp.exp(s - lse[:, :, :, rows, None])
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, v[:, :, :end], preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[:, :, :, rows, None])).astype(dt)  # the scale goes on dk, dq
+    widths = ((0, 0), (0, 0), (0, 0), (0, Tp - end))
+    dv = dv + jnp.pad(_key_grad(doi, p.astype(dt)), widths)
+    dk = dk + jnp.pad(_key_grad(qi, ds) * scale, widths)
+    dqs.append(
+      jnp.einsum("bkgqs,bksd->bkgqd", ds, k[:, :, :end], preferred_element_type=jnp.float32) * scale
+    )
+  dq = jnp.concatenate(dqs, axis=3)
+  return dq.astype(dt), dk.swapaxes(2, 3).astype(k.dtype), dv.swapaxes(2, 3).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, mask, tile, unroll):
+  return _flash_fwd(q, k, v, mask, tile, unroll)[0]
+
+
+def _flash_fwd(q, k, v, mask, tile, unroll):
+  out, lse = (_unrolled_forward if unroll else _flash_forward)(q, k, v, mask, tile)
   out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
   return out, (q, k, v, mask, out, lse)
 
 
-def _flash_bwd(tile, res, dout):
-  q, k, v, mask, out, lse = res
-  dq, dk, dv = _flash_backward(q, k, v, mask, out, lse, dout, tile)
-  return dq, dk, dv, None
+def _flash_bwd(tile, unroll, res, dout):
+  backward = _unrolled_backward if unroll else _flash_backward
+  return (*backward(*res, dout, tile), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, block_size: int = BLOCK_SIZE
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  *,
+  block_size: int = BLOCK_SIZE,
+  unroll: bool = False,
 ) -> jax.Array:
   """Flash-style attention, O(T) memory in the forward and backward: q [B,T,H,Dh], k/v
-  [B,T,K,Dh], mask bool [B,T] -> [B,T,H,Dh]. T is padded up to whole tiles of <= block_size."""
+  [B,T,K,Dh], mask bool [B,T] -> [B,T,H,Dh]. T is padded up to whole tiles of <= block_size.
+  `unroll`: the query tiles as straight-line code, each against its whole key prefix, for short
+  sequences (`UNROLL_MAX_LEN`): XLA's CPU schedule then holds every tile's scores at once, about
+  the causal half of dense's [T, T] per head (its memory is not linear in T); else loops."""
   B, T, H, Dh = q.shape
   K = k.shape[2]
   tile, n = _tile(T, block_size)
@@ -373,7 +459,7 @@ def blockwise(
   Tp = T + pad
   qh = q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,Tp,Dh]
   kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,Dh]
-  out = _flash(qh, kh, vh, mask, tile)
+  out = _flash(qh, kh, vh, mask, tile, unroll)
   return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, Dh)[:, :T]
 
 

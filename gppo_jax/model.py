@@ -391,7 +391,8 @@ class Transformer(nnx.Module):
     if impl == "dense":
       allowed = attention_lib.self_allowed(attn_mask)  # built once, outside the layer scan
       return lambda q, k, v: attention_lib.dense_fused(q, k, v, allowed)
-    return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, impl)
+    # cfg.attention itself, not what it resolves to: "auto" may run blockwise's tiles unrolled.
+    return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, self.cfg.attention)
 
   def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights

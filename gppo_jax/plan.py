@@ -197,7 +197,8 @@ def analytic_activation_bytes(
   log-prob head, and gradient-sized buffers. Attention: dense keeps float32 scores,
   probabilities and their gradient ([rows, heads, seq, seq] each, or [groups, heads, S, S] where
   shared prompts attend on packed groups of S tokens); the linear-memory implementations
-  (blockwise, cudnn, splash) one such block of tiles plus float32 per-token accumulators.
+  (blockwise, cudnn, splash) one such block of tiles (all the causal tiles where CPU runs them
+  unrolled, `attention.unrolled`) plus float32 per-token accumulators.
   Calibrated against the compiled plan of 7-8B models with ~3k-token responses to within ~20%.
   It undercounts long sequences, where XLA's temporaries grow past the logical residuals: the
   7B math config with 16k-token responses on a v5p-64 estimates 35.7 GiB against the compiled
@@ -223,7 +224,11 @@ def analytic_activation_bytes(
     attn = 3 * rows * heads * seq * seq * 4
   else:
     block = min(seq, attention.block_size(seq, backend))
-    attn = 3 * rows * heads * block * block * 4 + rows * heads * seq * (dh + 2) * 4
+    # Unrolled tiles (CPU "auto", few tiles) hold every tile's scores, each against its prefix.
+    unroll = cfg.attention == "auto" and attention.unrolled(seq, backend)
+    tiles = -(-seq // block) if unroll else 1
+    attn = 3 * rows * heads * block * block * tiles * (tiles + 1) // 2 * 4
+    attn += rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
   if cfg.remat == "attention" and (keys or impl == "blockwise"):  # attention.SAVED_NAMES
     lse = 0 if keys else 4  # blockwise's log-sum-exp; dense's probabilities if few keys
@@ -277,7 +282,7 @@ def plan(
     notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
     remat = "full" if cfg.remat == "attention" else cfg.remat
     cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat)
-  elif compile:
+  elif compile and backend != "cpu":  # a CPU target's "auto" resolves here as it would there
     cfg = dataclasses.replace(cfg, attention=impl)
   update_fn, state, spec = update_setup(config, cfg, p, r)
   batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)

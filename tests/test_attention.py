@@ -27,6 +27,7 @@ IMPLS = {
   # The training path of "dense" (dense_fused, a hand-written backward) vs autodiff of dense.
   "dense": functools.partial(attn.attention, impl="dense"),
   "blockwise": functools.partial(attn.blockwise, block_size=8),  # several tiles, a ragged end
+  "unrolled": functools.partial(attn.blockwise, block_size=8, unroll=True),  # the same, unrolled
   "cudnn": _cudnn,
   "splash": attn.splash,  # interpret mode off TPU
 }
@@ -107,18 +108,27 @@ def test_float32_equals_dense(name):
 def test_cpu_blockwise_tiles_follow_the_length_and_equal_dense():
   """On CPU `attention` tiles blockwise by length: a power of two near a quarter of it, within
   [CPU_BLOCK_MIN, CPU_BLOCK_MAX]; other backends keep BLOCK_SIZE. At 300 tokens that is five
-  64-token tiles, the last one ragged, and the result equals dense in output and gradients."""
+  64-token tiles, the last one ragged, run unrolled, and the result equals dense in output and
+  gradients."""
   bs = attn.block_size
   assert [bs(t, "cpu") for t in (129, 256, 300, 512, 1024, 4096)] == [64, 64, 64, 128, 256, 256]
   assert bs(4096, "tpu") == bs(4096, "gpu") == attn.BLOCK_SIZE
   assert attn._tile(300, bs(300, "cpu")) == (64, 5)
-  blockwise = functools.partial(attn.attention, impl="blockwise")
   (q, k, v, mask, w), want = _case(B=2, T=300, seed=7)
-  got = _out_and_grads(blockwise, q, k, v, mask, w)
-  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
-  # The tile is what the compiled program loops over: [B, K, G, 64, Dh] query blocks.
-  text = jax.jit(lambda q: blockwise(q, k, v, mask)).lower(q).as_text()
-  assert "tensor<2x2x2x64x16xf32>" in text and "tensor<2x2x2x512x16xf32>" not in text
+  for impl in ("auto", "blockwise"):
+    fn = functools.partial(attn.attention, impl=impl)
+    got = _out_and_grads(fn, q, k, v, mask, w)
+    chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5, custom_message=impl)
+    # The tile is what the compiled program works in: [B, K, G, 64, Dh] query blocks.
+    loss = lambda q, fn=fn: jnp.sum(fn(q, k, v, mask))
+    text = jax.jit(jax.grad(loss)).lower(q).as_text()
+    assert "tensor<2x2x2x64x16xf32>" in text and "tensor<2x2x2x512x16xf32>" not in text
+    # "auto" runs the tiles unrolled on CPU up to UNROLL_MAX_LEN tokens: no loop, forward or
+    # backward; "blockwise" itself loops, as "auto" does beyond that and on other backends.
+    assert ("stablehlo.while" in text) == (impl == "blockwise"), impl
+  unrolled = [attn.unrolled(t, "cpu") for t in (256, 300, 512, 513, 2048)]
+  assert unrolled == [True, True, True, False, False] and attn.UNROLL_MAX_LEN == 512
+  assert not attn.unrolled(256, "gpu") and not attn.unrolled(256, "tpu")
 
 
 @pytest.mark.parametrize(
@@ -269,17 +279,28 @@ def _count(jaxpr, name):
   return sum(eqn.primitive.name == name for eqn in conftest.all_eqns(jaxpr))
 
 
-def test_remat_attention_keeps_the_blockwise_forward(weights, dense_model):
+@pytest.mark.parametrize("unroll", [False, True])
+def test_remat_attention_keeps_the_blockwise_forward(unroll, weights, dense_model, monkeypatch):
   """remat="attention": the same gradients as every other policy, and the backward does not
-  rerun the blockwise attention forward (as many attention loops as without remat; "full"
-  reruns it: one more)."""
+  rerun the blockwise attention forward. With loops ("blockwise"): as many attention loops as
+  without remat ("full" reruns it: one more). Unrolled ("auto" on CPU, here one tile): no loops,
+  and the two products of the tile's forward that "full" reruns (scores, probabilities x values)
+  are gone."""
+  if unroll:  # "auto" resolves to blockwise at any length, unrolled (one tile here)
+    monkeypatch.setattr(attn, "DENSE_MAX_LEN", 0)
   batch, (_, _, want) = dense_model
-  loops = {}
+  loops, dots = {}, {}
   for remat in ("none", "full", "attention", "dots"):
-    grad = jax.grad(_model_loss("blockwise", *batch, remat=remat), has_aux=True)
+    impl = "auto" if unroll else "blockwise"
+    grad = jax.grad(_model_loss(impl, *batch, remat=remat), has_aux=True)
     chex.assert_trees_all_close(jax.jit(grad)(weights)[0], want, atol=5e-5, rtol=5e-5)
-    loops[remat] = _count(jax.make_jaxpr(grad)(weights).jaxpr, "while")
-  assert loops["attention"] == loops["none"] == loops["full"] - 1, loops
+    jaxpr = jax.make_jaxpr(grad)(weights).jaxpr
+    loops[remat], dots[remat] = _count(jaxpr, "while"), _count(jaxpr, "dot_general")
+  if unroll:
+    assert loops == dict.fromkeys(loops, 0), loops
+    assert dots["attention"] == dots["full"] - 2, dots
+  else:
+    assert loops["attention"] == loops["none"] == loops["full"] - 1, loops
 
 
 def test_remat_attention_keeps_the_dense_probabilities(weights, dense_model):

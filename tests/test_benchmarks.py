@@ -64,21 +64,24 @@ def test_update_benchmark_names_a_bad_variant_before_building_anything(tmp_path)
   assert f"'{bad}'" in p.stderr and "scan or unroll" in p.stderr, p.stderr
 
 
-def test_attention_benchmark_times_each_tile_against_the_chosen_one(tmp_path):
-  """A bounded run: every tile up to T, the chosen one (64 on CPU, longer than these 48 tokens)
-  and dense, all agreeing (the script exits otherwise), the chosen one as the 1.00x baseline."""
+def test_attention_benchmark_times_each_tile_against_auto(tmp_path):
+  """A bounded run: what "auto" runs at 130 tokens (blockwise in 64-token tiles, three, unrolled,
+  on CPU) as the 1.00x baseline; every tile up to T and the chosen one, looped and unrolled (at
+  most 16 tiles: not 8-token ones); dense; all agreeing (the script exits otherwise)."""
   p = _run(
-    tmp_path, "attention.py", "--shapes", "2x48x2x1x8", "--tiles", "8,16,128", "--repeats", "1",
+    tmp_path, "attention.py", "--shapes", "2x130x2x1x8", "--tiles", "8,16,256", "--repeats", "1",
     "--inner", "1",
   )  # fmt: skip
   assert p.returncode == 0, p.stderr[-2000:]
   result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
   (shape,) = result["shapes"]
-  assert shape["chosen_tile"] == 64
-  assert sorted(shape["ms"]) == ["blockwise/16", "blockwise/64", "blockwise/8", "dense"]
+  assert shape["chosen_tile"] == 64 and shape["auto"] == "blockwise/64, unrolled"
+  assert sorted(shape["ms"]) == [
+    "auto", "dense", "loop/16", "loop/64", "loop/8", "unrolled/16", "unrolled/64"
+  ]  # fmt: skip
   assert all(ms > 0 for ms in shape["ms"].values())
   rows = {ln.split()[0]: ln.split()[-1] for ln in p.stdout.splitlines() if ln.startswith("  ")}
-  assert rows["blockwise/64"] == "1.00x", p.stdout
+  assert rows["auto"] == "1.00x", p.stdout
 
 
 def _load(script):
