@@ -45,6 +45,7 @@ from flax import nnx
 from gppo_jax import cli, errors, objective
 from gppo_jax import divergences as divs
 from gppo_jax import estimators as ests
+from gppo_jax import model as model_lib
 
 Array = jax.Array
 
@@ -132,12 +133,6 @@ def kept_set_mask(kept_ids: Array, vocab: int) -> Array:
   return (hits > 0).reshape(*lead, vocab) | ~jnp.any(valid, axis=-1)[..., None]
 
 
-def _project(hidden: Array, w: Array, tied: bool) -> Array:
-  """float32 logits hidden @ W ([D, V], or [V, D] when tied), as the model's head computes them."""
-  spec = "...d,vd->...v" if tied else "...d,dv->...v"
-  return jnp.einsum(spec, hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
-
-
 def token_stats_chunked(
   hidden_p: Array,
   w_p: Array,
@@ -182,8 +177,8 @@ def token_stats_chunked(
 
   def step(_, x):
     stats = token_stats_from_logits(
-      _project(x["hp"], w_p, tied),
-      _project(x["hq"], w_q, tied),
+      model_lib.head_logits(x["hp"], w_p, tied),  # as the model's head computes them
+      model_lib.head_logits(x["hq"], w_q, tied),
       x["t"],
       divergences=divergences,
       temperature=temperature,

@@ -376,7 +376,7 @@ class Transformer(nnx.Module):
       x = _layer(cfg, p, x, positions, inv_freq, attend)
     new_cache = LayerCache(k=tuple(keys), v=tuple(values), mask=mask)
     hidden = rms_norm(x[:, 0], self.final_norm[...], cfg.rms_norm_eps)
-    return _project(hidden, head, tied=True), new_cache
+    return head_logits(hidden, head, tied=True), new_cache
 
   def _attention(self, seq_len: int) -> str:
     """The attention implementation cfg.attention resolves to for `seq_len` tokens."""
@@ -486,7 +486,7 @@ class Transformer(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 [..., vocab] logits of hidden states (tied or untied head)."""
     w, tied = self.unembedding()
-    return _project(hidden, w, tied)
+    return head_logits(hidden, w, tied)
 
 
 def packed_group_len(row_len: int, prompt_len: int, group_size: int) -> int:
@@ -537,7 +537,7 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
   return graphdef
 
 
-def _project(hidden, w, tied, w_low=None):
+def head_logits(hidden, w, tied, w_low=None):
   """float32 logits hidden @ W (W [D, V], or [V, D] when tied) from operands in hidden's dtype,
   accumulated in float32. In a low-precision compute dtype the backward takes the logits'
   float32 cotangent in that dtype too (`_low_precision_head`); w_low, W already in hidden's
@@ -641,7 +641,7 @@ def chunked_logprob_stats(
   w_low = w.astype(hidden.dtype) if jnp.dtype(hidden.dtype).itemsize < 4 else None
 
   def chunk(w, h, i):
-    logits = _project(h, w, tied, w_low) / temperature
+    logits = head_logits(h, w, tied, w_low) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     out = {"lp": jnp.take_along_axis(logits, i, axis=-1) - lse[..., None]}
     if entropy:
