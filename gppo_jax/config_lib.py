@@ -262,6 +262,14 @@ def base(
   c.checkpoint.every = 20
   c.checkpoint.keep = 3
 
+  # Trace `iterations` iterations from iteration `start` (numbered from 1; 0 = off) with the JAX
+  # profiler into <workdir>/profile: TensorBoard's profile tab and a Perfetto trace of the
+  # device's kernels, the host's ops and the Python calls (README "Performance"). Iteration 1
+  # compiles: start later to see the steady state.
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start = 0
+  c.profile.iterations = 2
+
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1
   c.mesh.fsdp = 1
@@ -558,6 +566,9 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.integer("diagnostics.every", 0)
   k.integer("diagnostics.chunk_size", 1)
   k.integer("checkpoint.keep", 1)
+  if "profile" in c:  # configs built before it may lack the section: no profile
+    k.integer("profile.start", 0)
+    k.integer("profile.iterations", 1)
   # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
   for axis in c.mesh.keys():
     x = c.mesh[axis]

@@ -348,6 +348,41 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   return state, metrics
 
 
+class _ProfileWindow:
+  """Traces iterations [start, start + count) (numbered from 1, as the log counts them) with the
+  JAX profiler into <workdir>/profile (config.profile; start 0 = off): a TensorBoard profile
+  (`tensorboard --logdir <workdir>/profile`) and a Perfetto trace (perfetto_trace.json.gz, for
+  ui.perfetto.dev) of the device's kernels, the host's ops and the Python calls in between. With
+  several processes each writes its own folder, process_<index>."""
+
+  def __init__(self, profile: ml_collections.ConfigDict | None, workdir: str):
+    self.start = int(profile.start) if profile else 0
+    self.stop_after = self.start + int(profile.iterations) - 1 if profile else 0
+    self.folder = os.path.join(workdir, "profile")
+    if jax.process_count() > 1:
+      self.folder = os.path.join(self.folder, f"process_{jax.process_index()}")
+    self.tracing = False
+
+  def begin(self, iteration: int) -> None:
+    if self.start and iteration == self.start:
+      log.info("profiling iterations %d-%d into %s", self.start, self.stop_after, self.folder)
+      jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+      self.tracing = True
+
+  def end(self, iteration: int) -> None:
+    if self.tracing and iteration >= self.stop_after:
+      self.close()
+
+  def close(self) -> None:
+    """Stops a trace that is running (at the window's end, or when the run stops inside it)."""
+    if self.tracing:
+      self.tracing = False
+      jax.profiler.stop_trace()
+      log.info(
+        "profile written: tensorboard --logdir %s (or its perfetto_trace.json.gz)", self.folder
+      )
+
+
 def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   t_start = time.time()
   if jax.process_index() == 0:
@@ -385,12 +420,16 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   if restored is None:
     writer.write(0, run.history["initial_eval"])
 
+  profile = _ProfileWindow(config.get("profile"), workdir)
+  stack.callback(profile.close)
+
   # --- The loop: from here a stop signal only sets a flag ----------------------------------------
   signals.arm()
   done, io_s = start, 0.0
   for iteration in range(start, config.iterations):
     if signals.should_stop():
       break
+    profile.begin(iteration + 1)
     t0 = time.perf_counter()
     state, metrics = _iteration(run, state, iteration)
     done = iteration + 1
@@ -411,6 +450,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     if done % config.checkpoint.every == 0 or done == config.iterations:
       run.save(done, state)
     io_s = time.perf_counter() - t_io
+    profile.end(done)
 
   if done < config.iterations:  # stopped by a signal
     if run.newest != done:

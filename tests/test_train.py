@@ -1,6 +1,7 @@
 """End-to-end training: smoke run with checkpoint and resume, learning, configs, bad input."""
 
 import glob
+import gzip
 import importlib.util
 import json
 import os
@@ -290,6 +291,8 @@ def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, 
 def test_smoke_run_checkpoints_and_resumes(tmp_path):
   c = smoke_config(tmp_path)
   c.diagnostics.every = 2
+  c.profile.start = 2  # iteration 2 traced (iterations=1: one); the profile is checked below
+  c.profile.iterations = 1
   wd = str(tmp_path / "run")
   summary = train.train_and_evaluate(c, wd)
   assert summary["iterations"] == 3
@@ -311,6 +314,16 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
     assert 0 <= row[f"diag/{est}/mask_agree"] <= 1
   assert row["diag/entropy"] > 0 and "diag/masked_frac/q<0.1" in row
   assert glob.glob(os.path.join(wd, "tensorboard", "events.out.tfevents.*"))
+  # The profile of iteration 2: TensorBoard's xplane file and a Perfetto trace holding the
+  # update's compiled ops, written once (one trace, not one per iteration).
+  assert len(glob.glob(os.path.join(wd, "profile", "**", "*.xplane.pb"), recursive=True)) == 1
+  (perfetto,) = glob.glob(
+    os.path.join(wd, "profile", "**", "perfetto_trace.json.gz"), recursive=True
+  )
+  with gzip.open(perfetto) as f:
+    events = json.load(f)["traceEvents"]
+  modules = {e.get("args", {}).get("hlo_module", "") for e in events}
+  assert any("update" in m for m in modules), sorted(modules)[:20]
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]
   assert json.load(open(os.path.join(wd, "config.json")))["loss"]["estimator"] == "atomic"
   assert os.path.exists(os.path.join(wd, "summary.json"))

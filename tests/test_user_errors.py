@@ -144,6 +144,8 @@ BAD_VALUES = [
   ("eval.top_p", NAN),
   ("checkpoint.every", 0),
   ("checkpoint.keep", 0),
+  ("profile.start", -1),
+  ("profile.iterations", 0),
   ("warmstart.lr", NAN),
   ("warmstart.target_accuracy", 1.5),
   ("warmstart.batch_size", 0),
