@@ -439,6 +439,27 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
   assert "FITS: peak" in out.stdout
 
 
+def test_plan_counts_the_unrolled_attention_tiles_cpu_auto_runs():
+  """A CPU target's "auto" runs blockwise's tiles unrolled up to attention.UNROLL_MAX_LEN tokens,
+  holding every tile's scores: the closed form counts more there than for model.attention
+  "blockwise" (loops, one block of tiles), and the same beyond that length or on a GPU."""
+
+  def acts(tokens, attention, backend="cpu"):
+    c = _qwen_config(tokens, attention)
+    c.data.max_prompt_tokens = 64  # rows of 64 + tokens - 1
+    c.model.dtype = "float32"  # on a GPU "auto" is then blockwise (cuDNN takes half precision)
+    got = plan.plan(c, {"fsdp": 8}, compile=False, devices=jax.devices()[:8], backend=backend)
+    return got.activations
+
+  assert attention.unrolled(64 + 400 - 1, "cpu") and not attention.unrolled(64 + 500 - 1, "cpu")
+  short = [acts(400, a) for a in ("auto", "blockwise")]
+  assert short[0] > short[1], short
+  long = [acts(500, a) for a in ("auto", "blockwise")]
+  assert long[0] == long[1], long
+  gpu = [acts(400, a, "gpu") for a in ("auto", "blockwise")]
+  assert gpu[0] == gpu[1], gpu
+
+
 def _qwen_config(tokens: int, attention: str):
   path = os.path.join(REPO, "configs", "qwen25_math_7b.py")
   spec = importlib.util.spec_from_file_location("qwen_plan", path)
