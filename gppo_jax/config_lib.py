@@ -598,6 +598,11 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       f"{r.prompts_per_iter} must be divisible by train.minibatches * train.microbatches = "
       f"{u.minibatches * u.microbatches} (or set train.shuffle='rows')"
     )
+  if c.get("profile") and c.profile.start > c.iterations:
+    raise errors.ConfigError(
+      f"profile.start={c.profile.start} is past iterations={c.iterations}: nothing would be "
+      "traced (iterations are numbered from 1; 0 = no profile)"
+    )
   if r.refill_rounds and not c.advantage.filter_zero_signal:
     raise errors.ConfigError(
       f"rollout.refill_rounds={r.refill_rounds} refills the groups advantage.filter_zero_signal "

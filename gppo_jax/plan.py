@@ -224,7 +224,7 @@ def analytic_activation_bytes(
     attn = 3 * rows * heads * seq * seq * 4
   else:
     block = min(seq, attention.block_size(seq, backend))
-    # Unrolled tiles (CPU "auto", few tiles) hold every tile's scores, each against its prefix.
+    # Unrolled tiles (CPU "auto", short rows) hold every tile's scores, each against its prefix.
     unroll = cfg.attention == "auto" and attention.unrolled(seq, backend)
     tiles = -(-seq // block) if unroll else 1
     attn = 3 * rows * heads * block * block * tiles * (tiles + 1) // 2 * 4

@@ -232,6 +232,12 @@ def test_validate_names_unknown_registry_entries_with_their_field():
   c.data.eval_path = "a=x.jsonl"
   with pytest.raises(errors.ConfigError, match="data.eval_path is set but data.train_path is not"):
     config_lib.validate(c)
+  c = config_lib.base("smoke")  # 3 iterations
+  c.profile.start = 4
+  with pytest.raises(errors.ConfigError, match="profile.start=4 is past iterations=3"):
+    config_lib.validate(c)
+  c.profile.start = 3  # the last one: valid
+  config_lib.validate(c)
 
 
 # --- Data files -----------------------------------------------------------------------------------
