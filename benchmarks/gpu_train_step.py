@@ -6,6 +6,8 @@ One prepared run for a GPU (or TPU) session, on whatever backend jax finds:
                                                               # remat attention and dots
   python benchmarks/gpu_train_step.py --variants dots/auto,dots/auto/unroll --batch 16 \
     --long 8192,16384,32768                                   # the README's H200 figures
+  python benchmarks/gpu_train_step.py --variants dots/auto/unroll,dots/auto/unroll/one,\
+dots/auto/unroll/c512 --batch 16 --long ''                  # the head: chunks or one piece
   python benchmarks/gpu_train_step.py --arch tiny --batch 2 --length 128 --long 256 --steps 2
                                                               # a CPU smoke run of the script
 
@@ -19,12 +21,13 @@ One prepared run for a GPU (or TPU) session, on whatever backend jax finds:
    batch of `--batch` x `--length` tokens (the last `--length - --prompt` carry the loss) of a
    named architecture (`--arch`, gppo_jax/architectures.py) with random weights. Compute dtype
    `--dtype` (bf16), parameters and optimizer state in `--param-dtype` (float32: the usual mixed
-   precision). Per variant remat/attention[/scan|unroll] (`model.remat`, `model.attention`,
-   `model.scan_layers`) it reports the median step time, tokens/s, achieved model TFLOP/s
-   (`plan.update_flops`: no credit for recomputation) and MFU against the chip's dense bf16
-   peak (`plan.PLATFORM_BF16_TFLOPS`, from the device kind; `--peak-tflops` to set it) and
-   against XLA's matmul rate. `--profile DIR` traces the first variant (or `--profile-variant`)
-   and prints its top kernels.
+   precision). Per variant remat/attention[/scan|unroll[/head]] (`model.remat`,
+   `model.attention`, `model.scan_layers`, and how the log-prob head walks the response:
+   `head_chunking`, e.g. dots/auto/unroll/one) it reports the median step time, tokens/s,
+   achieved model TFLOP/s (`plan.update_flops`: no credit for recomputation) and MFU against
+   the chip's dense bf16 peak (`plan.PLATFORM_BF16_TFLOPS`, from the device kind;
+   `--peak-tflops` to set it) and against XLA's matmul rate. `--profile DIR` traces the first
+   variant (or `--profile-variant`) and prints its top kernels.
 2. Long context. For each of `--long` T: XLA's compiled temporaries of one update on one sequence
    of T tokens, and where it fits, one executed step with the device's peak bytes in use
    (`memory_stats`, where the backend reports it; "peak_gib_at_most" where an earlier part of
@@ -44,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
@@ -129,12 +133,41 @@ def attention_parity(cfg: architectures.ModelConfig, length: int, name: str, row
 LAYERS = {"scan": True, "unroll": False}  # a variant's third field: model.scan_layers
 
 
+def head_chunking(variant: str) -> str:
+  """A variant's fourth field, how the log-prob head walks the response: "auto" (the model's
+  rule: one piece up to model.ONE_CHUNK_BYTES of float32 logits, else checkpointed chunks of
+  model.CHUNK_SIZE positions), "one" (one piece at any size: no recomputed head, all the logits
+  in memory at once) or "c<N>" (chunks of N positions). ValueError for anything else."""
+  parts = variant.split("/")
+  head = parts[3] if len(parts) > 3 else "auto"
+  if head not in ("auto", "one") and not (
+    head[:1] == "c" and head[1:].isdigit() and head[1:] != "0"
+  ):
+    raise ValueError(f"head {head!r}: auto, one or c<positions> (e.g. c512)")
+  return head
+
+
+@contextlib.contextmanager
+def head_setting(head: str):
+  """model's head chunking set to `head` (`head_chunking`) while a variant's update traces."""
+  saved = model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE
+  if head == "one":
+    model_lib.ONE_CHUNK_BYTES = 1 << 62
+  elif head != "auto":
+    model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE = 0, int(head[1:])
+  try:
+    yield
+  finally:
+    model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE = saved
+
+
 def model_config(args, variant: str) -> architectures.ModelConfig:
-  """The model of variant "remat/attention[/scan|unroll]"; ValueError for a bad one."""
+  """The model of variant "remat/attention[/scan|unroll[/head]]"; ValueError for a bad one."""
   remat, attn, *rest = variant.split("/")
   layers = rest[0] if rest else "scan"
-  if len(rest) > 1 or layers not in LAYERS:
-    raise ValueError(f"expected remat/attention[/scan|unroll], got {variant!r}")
+  if len(rest) > 2 or layers not in LAYERS:
+    raise ValueError(f"expected remat/attention[/scan|unroll[/head]], got {variant!r}")
+  head_chunking(variant)
   base = architectures.ARCHITECTURES[args.arch]
   return dataclasses.replace(
     base,
@@ -184,7 +217,8 @@ def time_variant(args, variant: str) -> dict:
   state = init_state(cfg, tx)
   batch = random_batch(cfg.vocab_size, args.batch, args.length, args.prompt)
   t = time.perf_counter()
-  exe = fn.lower(state, batch, jax.random.key(0)).compile()
+  with head_setting(head_chunking(variant)):
+    exe = fn.lower(state, batch, jax.random.key(0)).compile()
   compile_s = time.perf_counter() - t
   times = []
   for i in range(args.steps + 1):  # the first step is a warm-up
@@ -270,7 +304,8 @@ def long_context(args, variant: str, length: int) -> dict:
   fn, tx, spec = make_update(cfg, args.prompt)
   state = train_step.abstract_train_state(cfg, tx)
   batch = train_step.abstract_batch(1, args.prompt, length + 1 - args.prompt, spec)
-  exe = fn.lower(state, batch, jax.random.key(0)).compile()
+  with head_setting(head_chunking(variant)):
+    exe = fn.lower(state, batch, jax.random.key(0)).compile()
   mem = exe.memory_analysis()
   out = {"temp_gib": round(mem.temp_size_in_bytes / GIB, 3) if mem is not None else None}
   device = jax.devices()[0]
@@ -317,7 +352,7 @@ def main() -> None:
   ap.add_argument(
     "--variants",
     default="attention/auto,dots/auto,dots/auto/unroll",
-    help="remat/attention[/scan|unroll] variants, comma-separated",
+    help="remat/attention[/scan|unroll[/head]] variants, comma-separated (head: auto, one, c<N>)",
   )
   ap.add_argument("--long", default="8192", help="long-context lengths (batch 1), '' for none")
   ap.add_argument(
@@ -343,7 +378,7 @@ def main() -> None:
     try:
       model_config(args, v)
     except ValueError as e:
-      ap.error(f"--variants entry {v!r} (remat/attention[/scan|unroll]): {e}")
+      ap.error(f"--variants entry {v!r} (remat/attention[/scan|unroll[/head]]): {e}")
 
   device = jax.devices()[0]
   peak = args.peak_tflops or peak_tflops(device)

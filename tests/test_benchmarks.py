@@ -112,13 +112,50 @@ def test_gpu_benchmark_knows_each_chips_bf16_peak():
   assert gpu.peak_tflops(kind("cpu")) is None
 
 
+def test_gpu_benchmark_head_field_sets_how_the_head_walks_the_response():
+  """A variant's head field: "c<N>" traces the log-prob head in chunks of N positions, "one" in
+  one piece even past model.ONE_CHUNK_BYTES, "auto" by the model's rule; the model's settings
+  come back afterwards; a malformed field is a ValueError naming the choices."""
+  import conftest
+  import jax
+  import jax.numpy as jnp
+
+  from gppo_jax import model as model_lib
+
+  gpu = _load("gpu_train_step.py")
+  B, T, D, V = 2, 256, 8, 1024  # 2 MiB of float32 logits: one piece by the model's rule
+  h, w = jnp.ones((B, T, D)), jnp.ones((D, V))
+  ids = jnp.zeros((B, T), jnp.int32)
+
+  def chunks(head):
+    with gpu.head_setting(gpu.head_chunking(f"dots/auto/scan/{head}")):
+      jaxpr = jax.make_jaxpr(lambda h: model_lib.chunked_logprob_stats(h, w, ids)["logprobs"])(h)
+    scans = [e for e in conftest.all_eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    return [e.params["length"] for e in scans]
+
+  saved = model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE
+  assert chunks("auto") == [1] and chunks("c16") == [T // 16]  # scan steps: pieces of the head
+  model_lib.ONE_CHUNK_BYTES = 1024  # now past the model's one-piece limit
+  try:
+    assert chunks("auto") == [T // model_lib.CHUNK_SIZE] and chunks("one") == [1]
+  finally:
+    model_lib.ONE_CHUNK_BYTES = saved[0]
+  assert (model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE) == saved
+  assert gpu.head_chunking("dots/auto") == "auto"
+  for bad in ("c0", "cx", "two"):
+    with pytest.raises(ValueError, match="auto, one or c<positions>"):
+      gpu.head_chunking(f"dots/auto/scan/{bad}")
+
+
 def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_path):
   """The accelerator script's CPU smoke run: a scanned and an unrolled variant (the first
-  profiled), the matmul rate, attention parity, a long-context compile and step."""
+  profiled; the second with its head in 16-position chunks), the matmul rate, attention parity,
+  a long-context compile and step."""
   p = _run(
     tmp_path, "gpu_train_step.py", "--arch", "tiny", "--batch", "2", "--length", "64",
-    "--prompt", "16", "--steps", "1", "--variants", "full/auto,dots/auto/unroll", "--long", "256",
-    "--matmul-n", "256", "--profile", str(tmp_path / "trace"), "--json", str(tmp_path / "o.json"),
+    "--prompt", "16", "--steps", "1", "--variants", "full/auto,dots/auto/unroll/c16",
+    "--long", "256", "--matmul-n", "256", "--profile", str(tmp_path / "trace"),
+    "--json", str(tmp_path / "o.json"),
   )  # fmt: skip
   assert p.returncode == 0, p.stderr[-2000:]
   out = json.loads((tmp_path / "o.json").read_text())
@@ -126,8 +163,8 @@ def test_gpu_benchmark_runs_on_cpu_and_reports_time_and_long_context_memory(tmp_
   t = out["timing"]["full/auto"]
   assert t["loss_finite"] and t["step_s"] > 0 and t["tflops"] > 0
   assert out["peak_tflops"] is None and "mfu" not in t  # a CPU has no bf16 peak to divide by
-  assert t["profile"]["top_ms"] and "profile" not in out["timing"]["dots/auto/unroll"]
-  assert out["timing"]["dots/auto/unroll"]["loss_finite"] and out["matmul"]["tflops"] > 0
+  assert t["profile"]["top_ms"] and "profile" not in out["timing"]["dots/auto/unroll/c16"]
+  assert out["timing"]["dots/auto/unroll/c16"]["loss_finite"] and out["matmul"]["tflops"] > 0
   # On CPU "auto" is dense: the one implementation checked against dense float32 is blockwise.
   assert set(out["attention_parity"]) == {"dense", "blockwise"}
   assert all(0 < e < 2e-2 for e in out["attention_parity"]["blockwise"].values())
