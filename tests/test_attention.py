@@ -133,7 +133,7 @@ def test_cpu_blockwise_tiles_follow_the_length_and_equal_dense():
 
 @pytest.mark.parametrize(
   "name",
-  ["dense", "blockwise", pytest.param("splash", marks=pytest.mark.slow)]
+  ["dense", "blockwise", "unrolled", pytest.param("splash", marks=pytest.mark.slow)]
   + (["cudnn"] if ON_GPU else []),
 )
 def test_bfloat16_close_to_dense(name):
