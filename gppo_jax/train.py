@@ -366,7 +366,11 @@ class _ProfileWindow:
   def begin(self, iteration: int) -> None:
     if self.start and iteration == self.start:
       log.info("profiling iterations %d-%d into %s", self.start, self.stop_after, self.folder)
-      jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+      try:
+        jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+      except Exception as e:  # noqa: BLE001 (e.g. another trace running): training goes on
+        log.warning("profile: the trace did not start (%s); training goes on without it", e)
+        return
       self.tracing = True
 
   def end(self, iteration: int) -> None:

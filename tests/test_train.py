@@ -248,6 +248,28 @@ def smoke_config(tmp_path, **loss):
   return c
 
 
+def test_a_profile_that_cannot_start_does_not_stop_training(tmp_path, monkeypatch, caplog):
+  """config.profile: a trace the profiler refuses (another one running, say) is a warning; the
+  window then does nothing, and no profile folder is claimed."""
+  import ml_collections
+
+  def refuse(*a, **k):
+    raise RuntimeError("Only one profile may be run at a time.")
+
+  monkeypatch.setattr(jax.profiler, "start_trace", refuse)
+  window = train._ProfileWindow(
+    ml_collections.ConfigDict(dict(start=2, iterations=2)), str(tmp_path)
+  )
+  window.begin(1)
+  with caplog.at_level("WARNING", logger="gppo_jax"):
+    window.begin(2)
+  assert "the trace did not start" in caplog.text and "one profile" in caplog.text
+  assert not window.tracing
+  window.end(3)  # nothing to stop
+  window.close()
+  assert not os.path.exists(os.path.join(tmp_path, "profile"))
+
+
 def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, monkeypatch):
   """A second run of the same shapes and update settings (here a longer warm start) reuses the
   first one's update and samplers (no trace, no compile); a different loss builds its own, and
