@@ -317,6 +317,21 @@ def _flash_forward(q, k, v, mask, tile):
   return out, lse
 
 
+def _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale):
+  """One block's gradients, its probabilities recomputed from the saved log-sum-exp: query rows
+  qi [B,K,G,bq,Dh] (output gradient doi, lsei and delta di [B,K,G,bq]) against keys kj and
+  values vj [B,K,bk,Dh] under allowed [B,bq,bk] -> (dq float32 like qi, dk and dv float32
+  [B,K,Dh,bk], transposed: see _key_grad)."""
+  dt = qi.dtype
+  p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,G,bq,bk]
+  dv = _key_grad(doi, p.astype(dt))
+  dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+  ds = (p * (dp - di[..., None])).astype(dt)  # the scale goes on dk, dq (see dense_fused)
+  dk = _key_grad(qi, ds) * scale
+  dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32) * scale
+  return dq, dk, dv
+
+
 def _flash_backward(q, k, v, mask, out, lse, dout, tile):
   """Gradients (dq, dk, dv) of _flash_forward, recomputing each block's probabilities from lse.
   Key tile j visits query tiles j..n-1; dq is accumulated in one float32 buffer."""
@@ -338,14 +353,9 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
       sl = lambda x, axis=3: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=axis)
       qi, doi, lsei, di = sl(q), sl(dout), sl(lse), sl(delta)
       allowed = _block_allowed(i * tile + ar, kpos, sl(mask, 1), kreal)
-      p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,G,bq,bk]
-      dv = dv + _key_grad(doi, p.astype(dt))
-      dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
-      ds = (p * (dp - di[..., None])).astype(dt)  # the scale goes on dk, dq (see dense_fused)
-      dk = dk + _key_grad(qi, ds) * scale
-      dqi = jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32) * scale
+      dqi, dki, dvi = _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, sl(dq) + dqi, i * tile, axis=3)
-      return dq, dk, dv
+      return dq, dk + dki, dv + dvi
 
     zeros = jnp.zeros((B, K, Dh, tile), jnp.float32)  # dk, dv transposed (see _key_grad)
     dq, dk, dv = jax.lax.fori_loop(j, n, q_tile, (dq, zeros, zeros))
@@ -357,14 +367,13 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
   return dq.astype(dt), unstack(dk).astype(k.dtype), unstack(dv).astype(v.dtype)
 
 
-def _prefix_scores(q, k, mask, i, tile):
-  """float32 [B,K,G,tile,(i+1)*tile]: query tile i's scaled scores against every key up to the
-  tile's end (the keys after it are causally excluded), -inf where not allowed."""
+def _prefix_block(q, mask, i, tile):
+  """(query tile i [B,K,G,tile,Dh], allowed [B,tile,(i+1)*tile]): the tile against every key up
+  to its end (the keys after it are causally excluded)."""
   end = (i + 1) * tile
   pos = jnp.arange(end)
-  qi = q[:, :, :, i * tile : end]
   allowed = _block_allowed(pos[i * tile :], pos, mask[:, i * tile : end], mask[:, :end])
-  return qi, _scores(qi, k[:, :, :end], allowed, q.shape[-1] ** -0.5)
+  return q[:, :, :, i * tile : end], allowed
 
 
 def _unrolled_forward(q, k, v, mask, tile):
@@ -373,14 +382,15 @@ def _unrolled_forward(q, k, v, mask, tile):
   n = q.shape[3] // tile
   outs, lses = [], []
   for i in range(n):
-    _, s = _prefix_scores(q, k, mask, i, tile)
+    end = (i + 1) * tile
+    qi, allowed = _prefix_block(q, mask, i, tile)
+    s = _scores(qi, k[:, :, :end], allowed, q.shape[-1] ** -0.5)
     m = jnp.max(s, axis=-1)  # finite: every query is allowed itself
     p = jnp.exp(s - m[..., None])
     l = jnp.sum(p, axis=-1)
     pv = jnp.einsum(
-      "bkgqs,bksd->bkgqd", p.astype(v.dtype), v[:, :, : (i + 1) * tile],
-      preferred_element_type=jnp.float32,
-    )  # fmt: skip
+      "bkgqs,bksd->bkgqd", p.astype(v.dtype), v[:, :, :end], preferred_element_type=jnp.float32
+    )
     outs.append((pv / l[..., None]).astype(q.dtype))
     lses.append(m + jnp.log(l))
   return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
@@ -388,30 +398,26 @@ def _unrolled_forward(q, k, v, mask, tile):
 
 def _unrolled_backward(q, k, v, mask, out, lse, dout, tile):
   """_flash_backward with the query tiles unrolled: tile i's gradients against its whole key
-  prefix; the prefix's key and value gradients are summed over tiles (zero-padded to Tp)."""
+  prefix (`_block_grads`); the prefix's key and value gradients are summed over tiles
+  (zero-padded to Tp)."""
   B, K, G, Tp, Dh = q.shape
   n = Tp // tile
-  scale = Dh**-0.5
-  dt = q.dtype
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,G,Tp]
   dqs = []
   dk = dv = jnp.zeros((B, K, Dh, Tp), jnp.float32)  # transposed (see _key_grad)
   for i in range(n):
     end = (i + 1) * tile
     rows = slice(i * tile, end)
-    qi, s = _prefix_scores(q, k, mask, i, tile)
-    doi = dout[:, :, :, rows]
-    p = jnp.exp(s - lse[:, :, :, rows, None])
-    dp = jnp.einsum("bkgqd,bksd->bkgqs", doi, v[:, :, :end], preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[:, :, :, rows, None])).astype(dt)  # the scale goes on dk, dq
+    qi, allowed = _prefix_block(q, mask, i, tile)
+    dqi, dki, dvi = _block_grads(
+      qi, k[:, :, :end], v[:, :, :end], dout[:, :, :, rows], lse[:, :, :, rows],
+      delta[:, :, :, rows], allowed, Dh**-0.5,
+    )  # fmt: skip
     widths = ((0, 0), (0, 0), (0, 0), (0, Tp - end))
-    dv = dv + jnp.pad(_key_grad(doi, p.astype(dt)), widths)
-    dk = dk + jnp.pad(_key_grad(qi, ds) * scale, widths)
-    dqs.append(
-      jnp.einsum("bkgqs,bksd->bkgqd", ds, k[:, :, :end], preferred_element_type=jnp.float32) * scale
-    )
-  dq = jnp.concatenate(dqs, axis=3)
-  return dq.astype(dt), dk.swapaxes(2, 3).astype(k.dtype), dv.swapaxes(2, 3).astype(v.dtype)
+    dk, dv = dk + jnp.pad(dki, widths), dv + jnp.pad(dvi, widths)
+    dqs.append(dqi)
+  dq = jnp.concatenate(dqs, axis=3).astype(q.dtype)
+  return dq, dk.swapaxes(2, 3).astype(k.dtype), dv.swapaxes(2, 3).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
