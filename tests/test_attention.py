@@ -119,10 +119,10 @@ def test_cpu_blockwise_tiles_follow_the_length_and_equal_dense():
     fn = functools.partial(attn.attention, impl=impl)
     got = _out_and_grads(fn, q, k, v, mask, w)
     chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5, custom_message=impl)
-    # The tile is what the compiled program works in: [B, K, G, 64, Dh] query blocks.
+    # The tile is what the compiled program works in: [B, K, 64, G, Dh] query blocks.
     loss = lambda q, fn=fn: jnp.sum(fn(q, k, v, mask))
     text = jax.jit(jax.grad(loss)).lower(q).as_text()
-    assert "tensor<2x2x2x64x16xf32>" in text and "tensor<2x2x2x512x16xf32>" not in text
+    assert "tensor<2x2x64x2x16xf32>" in text and "tensor<2x2x512x2x16xf32>" not in text
     # "auto" runs the tiles unrolled on CPU up to UNROLL_MAX_LEN tokens: no loop, forward or
     # backward; "blockwise" itself loops, as "auto" does beyond that and on other backends.
     assert ("stablehlo.while" in text) == (impl == "blockwise"), impl
