@@ -179,11 +179,19 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotates x [B, T, heads, head_dim] by positions [B, T] (half-split layout, as HF)."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-  cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-  sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) float32 [B, T, 1, head_dim] of positions [B, T] (half-split layout, as HF),
+  computed once per forward (each distinct angle once) and shared by every layer: inside the
+  layer scan they were computed per layer and again in each remat recompute (~2% of the tiny
+  Qwen2 shape's update op time on CPU, ~1% after)."""
+  angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, Dh/2]
+  twice = lambda a: jnp.concatenate([a, a], -1)[:, :, None, :]
+  return twice(jnp.cos(angles)), twice(jnp.sin(angles))
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Rotates x [B, T, heads, head_dim] by `rope_tables`' (cos, sin) of its positions."""
+  cos, sin = rope
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -203,7 +211,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
   return y.reshape(*lead, *out)
 
 
-def _layer(cfg, p, x, positions, inv_freq, attend):
+def _layer(cfg, p, x, rope, attend):
   """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
@@ -216,8 +224,8 @@ def _layer(cfg, p, x, positions, inv_freq, attend):
   if cfg.qk_norm:
     q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-  q = apply_rope(q, positions, inv_freq)
-  k = apply_rope(k, positions, inv_freq)
+  q = apply_rope(q, rope)
+  k = apply_rope(k, rope)
   attn = attend(q, k, v)
   x = x + project(attn, w["wo"], contract=2)
   h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
@@ -271,7 +279,6 @@ class Transformer(nnx.Module):
       attn_mask = jnp.ones((B, T), bool)
     attn_mask = attn_mask.astype(bool)
     embed = lambda tokens: jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
-    inv_freq = rope_inv_freq(cfg)
     params = self.layers.arrays()
     layer_ids = jnp.arange(cfg.num_layers)
 
@@ -310,6 +317,7 @@ class Transformer(nnx.Module):
       if not blockwise:
         allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
       zero = jnp.zeros((), jnp.int32)
+      rope = rope_tables(positions, cfg)
 
       def step(carry, xs):
         x, ck, cv = carry
@@ -328,7 +336,7 @@ class Transformer(nnx.Module):
           values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
           return attention_lib.dense(q, keys, values, allowed)
 
-        x = _layer(cfg, p, x, positions, inv_freq, attend)
+        x = _layer(cfg, p, x, rope, attend)
         return (x, ck, cv), None
 
       (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
@@ -358,7 +366,7 @@ class Transformer(nnx.Module):
     layer_weights, head = weights
     cfg = self.cfg
     x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
-    inv_freq = rope_inv_freq(cfg)
+    rope = rope_tables(positions, cfg)
     idx = jnp.asarray(cache_index, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask.astype(bool), (zero, idx))
@@ -373,7 +381,7 @@ class Transformer(nnx.Module):
         values[l] = jax.lax.dynamic_update_slice(values[l], new_v, (zero, zero, idx, zero))
         return attention_lib.decode_attention(q, keys[l], values[l], mask, idx)
 
-      x = _layer(cfg, p, x, positions, inv_freq, attend)
+      x = _layer(cfg, p, x, rope, attend)
     new_cache = LayerCache(k=tuple(keys), v=tuple(values), mask=mask)
     hidden = rms_norm(x[:, 0], self.final_norm[...], cfg.rms_norm_eps)
     return head_logits(hidden, head, tied=True), new_cache
@@ -398,11 +406,11 @@ class Transformer(nnx.Module):
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights
     (unrolled unless cfg.scan_layers), each step rematerialised by cfg.remat."""
     cfg = self.cfg
-    inv_freq = rope_inv_freq(cfg)
+    rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
 
     def step(x, p):
       x = partitioning.constrain_batch(x)
-      return _layer(cfg, p, x, positions, inv_freq, attend), None
+      return _layer(cfg, p, x, rope, attend), None
 
     if REMAT_POLICIES[cfg.remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
