@@ -27,13 +27,17 @@ ATTENTION = attention.IMPLEMENTATIONS  # ModelConfig.attention: attention.py's i
 # blockwise's log-sum-exp, dense's probabilities up to attention.DENSE_SAVED_MAX_KEYS keys; O(T)
 # per layer), so the backward does not rerun the attention forward (with cuDNN or splash
 # attention it is "full"); "dots" keeps the layer input and weight-matmul outputs; "none" keeps
-# everything (most memory; not the fastest on CPU, see README "Performance").
+# everything (most memory). "auto" (REMAT_CHOICES) picks one per update shape: `layer_plan`.
 REMAT_POLICIES = {
   "none": None,
   "full": jax.checkpoint_policies.nothing_saveable,
   "attention": jax.checkpoint_policies.save_only_these_names(*attention.SAVED_NAMES),
   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+REMAT_CHOICES = ("auto", *REMAT_POLICIES)  # = ModelConfig.remat's values
+# remat "auto" on CPU: no remat, layers unrolled, while the update's activations without remat
+# (`no_remat_bytes`) stay within this; measured in README "Performance" (Rematerialisation).
+CPU_NO_REMAT_MAX_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +64,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int = 0
   family: str = "llama"  # Hugging Face architecture written on export: one of FAMILIES
-  remat: str = "attention"  # what a layer keeps for the backward pass: one of REMAT_POLICIES
+  remat: str = "auto"  # what a layer keeps for the backward pass: REMAT_CHOICES (`layer_plan`)
   # Attention of the training forward and the prefill (attention.py): "auto" (cuDNN on GPU,
   # splash on TPU, dense or blockwise on CPU by length), "dense", "blockwise", "cudnn", "splash".
   attention: str = "auto"
@@ -76,8 +80,8 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; valid: {sorted(DTYPES)}")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
+    if self.remat not in REMAT_CHOICES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {REMAT_CHOICES}")
     if self.attention not in ATTENTION:
       raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {ATTENTION}")
     if self.family not in FAMILIES:
@@ -103,6 +107,47 @@ class ModelConfig:
   @property
   def params_dtype(self) -> jnp.dtype:
     return DTYPES[self.param_dtype]
+
+
+def no_remat_bytes(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None) -> int:
+  """About what an update without remat holds for its backward on rows x seq tokens (all rows,
+  one device): per layer and token the residual stream, norms, q/k/v, rotated q/k, attention
+  output, MLP gate/up/product in the compute dtype, and the attention's float32 probabilities
+  where dense or unrolled blockwise attention builds them ([T, T] per head, or about its causal
+  half)."""
+  d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  H, K = cfg.num_heads, cfg.num_kv_heads
+  per_token = (4 * d + 3 * f + (2 * H + 3 * K) * dh) * jnp.dtype(cfg.compute_dtype).itemsize
+  impl = attention.resolve(
+    cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=dh, backend=backend
+  )
+  if impl == "dense":
+    per_token += H * seq * 4
+  elif impl == "blockwise" and cfg.attention == "auto" and attention.unrolled(seq, backend):
+    per_token += H * (seq + attention.block_size(seq, backend)) // 2 * 4
+  return cfg.num_layers * rows * seq * per_token
+
+
+def layer_plan(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None):
+  """(remat policy, scan the layers?) of the training forward on rows x seq tokens on `backend`
+  (default: jax's) for cfg.remat and cfg.scan_layers. A named policy keeps cfg.scan_layers.
+  "auto" is, on CPU, "none" with the layers unrolled where `no_remat_bytes` is within
+  CPU_NO_REMAT_MAX_BYTES, unless the attention is dense over at most DENSE_SAVED_MAX_KEYS keys
+  (the tiny and small Qwen2 update steps of benchmarks/train_step.py, 256 tokens, took
+  0.85x-0.88x the time of "attention" scanned; a scan of "none" stacks every activation and is
+  slower than "attention"); otherwise "attention" with cfg.scan_layers: over few keys it keeps
+  dense attention's probabilities, and the default run's update (41-token packed groups) was as
+  fast as without remat; on GPU and TPU long sequences' activations are what limits a batch."""
+  if cfg.remat != "auto":
+    return cfg.remat, cfg.scan_layers
+  impl = attention.resolve(
+    cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
+  )
+  keeps_probs = impl == "dense" and seq <= attention.DENSE_SAVED_MAX_KEYS
+  small = no_remat_bytes(cfg, rows, seq, backend) <= CPU_NO_REMAT_MAX_BYTES
+  if (backend or jax.default_backend()) == "cpu" and not keeps_probs and small:
+    return "none", False
+  return "attention", cfg.scan_layers
 
 
 def rope_scaling_tuple(rope_scaling: Mapping[str, Any] | None) -> tuple | None:

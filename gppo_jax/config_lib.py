@@ -125,10 +125,11 @@ def base(
   c.model.path = ml_collections.config_dict.placeholder(str)  # local Hugging Face folder
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
-  # What each layer keeps for the backward pass (architectures.REMAT_POLICIES: full, attention,
-  # dots, none) and the attention implementation (attention.py: auto, dense, blockwise, cudnn,
-  # splash).
-  c.model.remat = "attention"
+  # What each layer keeps for the backward pass (architectures.REMAT_CHOICES: auto, none, full,
+  # attention, dots; "auto" = `architectures.layer_plan`: on CPU no remat and unrolled layers
+  # where that fits, else "attention") and the attention implementation (attention.py: auto,
+  # dense, blockwise, cudnn, splash).
+  c.model.remat = "auto"
   c.model.attention = "auto"
   # The decoder layers scanned (one compiled layer) or unrolled: on an H200 unrolled took 0.93x
   # the update step's time for twice its compile time (README "Performance").
@@ -490,7 +491,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.text("model.path", none_ok=True)
   k.choice("model.dtype", tuple(architectures.DTYPES))
   k.choice("model.param_dtype", tuple(architectures.DTYPES))
-  k.choice("model.remat", tuple(architectures.REMAT_POLICIES))
+  k.choice("model.remat", architectures.REMAT_CHOICES)
   k.choice("model.attention", architectures.ATTENTION)
   k.flag("model.scan_layers")
   k.choice("model.cpu_matmul", sharding.CPU_MATMULS)
@@ -649,7 +650,7 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict[str, Any]:
   return dict(
     dtype=m.dtype,
     param_dtype=m.param_dtype,
-    remat=m.get("remat", "attention"),
+    remat=m.get("remat", "auto"),
     attention=m.get("attention", "auto"),
     scan_layers=m.get("scan_layers", True),
   )

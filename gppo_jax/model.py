@@ -29,7 +29,7 @@ from flax import nnx
 
 from gppo_jax import attention as attention_lib
 from gppo_jax import partitioning
-from gppo_jax.architectures import REMAT_POLICIES, ModelConfig
+from gppo_jax.architectures import REMAT_POLICIES, ModelConfig, layer_plan
 
 # --------------------------------------------------------------------------------------------
 # Parameters
@@ -403,18 +403,19 @@ class Transformer(nnx.Module):
     return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, self.cfg.attention)
 
   def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
-    """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights
-    (unrolled unless cfg.scan_layers), each step rematerialised by cfg.remat."""
+    """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
+    each step rematerialised, as `architectures.layer_plan` says for cfg and this shape."""
     cfg = self.cfg
     rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
+    remat, scan = layer_plan(cfg, *x.shape[:2])
 
     def step(x, p):
       x = partitioning.constrain_batch(x)
       return _layer(cfg, p, x, rope, attend), None
 
-    if REMAT_POLICIES[cfg.remat] is not None:
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, self.layers.arrays(), unroll=not cfg.scan_layers)
+    if REMAT_POLICIES[remat] is not None:
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, self.layers.arrays(), unroll=not scan)
     return x
 
   def shared_prompt_hidden(

@@ -206,7 +206,9 @@ def analytic_activation_bytes(
   """
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   tp = mesh.shape["tensor"]
-  rows = max(1, n // (spec.minibatches * spec.microbatches) // dp)
+  micro = max(1, n // (spec.minibatches * spec.microbatches))
+  rows = max(1, micro // dp)
+  remat = architectures.layer_plan(cfg, micro, seq, backend)[0]  # "auto" as the model runs it
   item = np.dtype(cfg.compute_dtype).itemsize
   d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
@@ -230,17 +232,17 @@ def analytic_activation_bytes(
     attn = 3 * rows * heads * block * block * tiles * (tiles + 1) // 2 * 4
     attn += rows * heads * seq * (dh + 2) * 4
   saved = tokens * d * item * cfg.num_layers
-  if cfg.remat == "attention" and (keys or impl == "blockwise"):  # attention.SAVED_NAMES
+  if remat == "attention" and (keys or impl == "blockwise"):  # attention.SAVED_NAMES
     lse = 0 if keys else 4  # blockwise's log-sum-exp; dense's probabilities if few keys
     probs = attn // 3 if 0 < keys <= attention.DENSE_SAVED_MAX_KEYS else 0
     saved += (tokens * heads * (dh * item + lse) + probs) * cfg.num_layers
-  if cfg.remat == "dots":
+  if remat == "dots":
     # Every weight matmul's output (q, k, v, o, gate, up, down), twice: XLA's compiled plan of
     # the Qwen2.5-7B math config on fsdp=8 holds 131.6 / 306.9 GiB more than remat "full" at 1k /
     # 3k response tokens, against 63.7 / 148 GiB of these outputs in bf16.
     outputs = (heads + 2 * kv) * dh + 2 * d + 2 * f // tp
     saved += 2 * tokens * outputs * item * cfg.num_layers
-  if cfg.remat == "none":
+  if remat == "none":
     saved = cfg.num_layers * (layer_work + attn) // 2
   head = rows * min(128, seq) * cfg.vocab_size * 4 * 3
   grads = num_params * np.dtype(cfg.params_dtype).itemsize // (mesh.size // mesh.shape["data"])
@@ -272,6 +274,9 @@ def plan(
   n, p, r = rollout_shape(config)
   notes = []
   impl = attention_impl(cfg, p + r - 1, backend)
+  # remat "auto" resolved for the target (on CPU the compile below resolves it itself, by the
+  # micro-batch's rows; elsewhere the rows do not matter).
+  remat, scan = architectures.layer_plan(cfg, n, p + r - 1, backend)
   # A compiled blockwise attention (the target's own, or the stand-in below) has CPU's tiles,
   # `attention.block_size`: at most 256 tokens against 512 on a GPU or TPU, a small share of the
   # memory next to the O(T) terms.
@@ -280,10 +285,10 @@ def plan(
     # pure-JAX kernel of the same linear memory class, keeping nothing the target would not:
     # remat "attention" keeps blockwise's residuals, which cuDNN and splash recompute ("full").
     notes.append(f"attention: {impl} on {backend}; compiled here as blockwise (same O(T) memory)")
-    remat = "full" if cfg.remat == "attention" else cfg.remat
-    cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat)
-  elif compile and backend != "cpu":  # a CPU target's "auto" resolves here as it would there
-    cfg = dataclasses.replace(cfg, attention=impl)
+    remat = "full" if remat == "attention" else remat
+    cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat, scan_layers=scan)
+  elif compile and backend != "cpu":  # a CPU target's "auto"s resolve here as they would there
+    cfg = dataclasses.replace(cfg, attention=impl, remat=remat, scan_layers=scan)
   update_fn, state, spec = update_setup(config, cfg, p, r)
   batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)
   sh = sharding.state_shardings(state, mesh)
@@ -406,18 +411,20 @@ def main(argv) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "gppo_jax.plan", *sys.argv[1:]], env)
   devices = devices[:needed]
   cfg, source = model_config(config)
+  backend = PLATFORM_BACKEND.get(f.platform, "tpu")
   result = plan(
     config,
     mesh_cfg,
     device_memory_gb=memory,
     compile=not f.analytic,
     devices=devices,
-    backend=PLATFORM_BACKEND.get(f.platform, "tpu"),
+    backend=backend,
   )
   n, p, r = rollout_shape(config)
-  impl = attention_impl(cfg, p + r - 1, PLATFORM_BACKEND.get(f.platform, "tpu"))
+  impl = attention_impl(cfg, p + r - 1, backend)
+  remat = cfg.remat if backend == "cpu" else architectures.layer_plan(cfg, n, p + r - 1, backend)[0]
   title = (
-    f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {cfg.remat}, attention {impl}; "
+    f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {remat}, attention {impl}; "
     f"rollout {n} x ({p} + {r})"
     f" tokens; {config.train.minibatches} minibatches x {config.train.microbatches} micro; "
     f"{f.platform} {memory} GiB"

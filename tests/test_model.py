@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, errors, model, partitioning
+from gppo_jax import architectures, attention, errors, model, partitioning
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 
@@ -336,6 +336,69 @@ def test_remat_keeps_gradients_and_saves_memory():
   assert results["full"][1] < results["none"][1]
   with pytest.raises(ValueError, match="remat"):
     architectures.get("tiny", remat="some")
+
+
+def test_remat_auto_plan_follows_backend_length_and_size():
+  """remat "auto" (the default): on CPU no remat and unrolled layers where the sequences are
+  longer than dense attention's kept probabilities reach and the activations without remat are
+  small; "attention" with cfg.scan_layers otherwise, and always on GPU and TPU. A named policy
+  keeps cfg.scan_layers."""
+  cfg = architectures.get("tiny")
+  assert cfg.remat == "auto" and cfg.scan_layers
+  plan = architectures.layer_plan
+  long = attention.DENSE_SAVED_MAX_KEYS + 1
+  assert plan(cfg, 8, long, "cpu") == ("none", False)
+  assert plan(cfg, 8, attention.DENSE_SAVED_MAX_KEYS, "cpu") == ("attention", True)
+  too_many = 1 + architectures.CPU_NO_REMAT_MAX_BYTES // architectures.no_remat_bytes(
+    cfg, 1, long, "cpu"
+  )
+  assert plan(cfg, too_many, long, "cpu") == ("attention", True)
+  assert plan(cfg, too_many - 1, long, "cpu") == ("none", False)
+  unscanned = dataclasses.replace(cfg, scan_layers=False)
+  for backend in ("gpu", "tpu"):
+    assert plan(cfg, 8, long, backend) == ("attention", True)
+    assert plan(unscanned, 8, long, backend) == ("attention", False)
+  assert plan(dataclasses.replace(cfg, remat="dots"), 8, long, "cpu") == ("dots", True)
+  # Forced blockwise at few tokens keeps no probabilities: no remat there either.
+  forced = dataclasses.replace(cfg, attention="blockwise")
+  assert plan(forced, 8, 64, "cpu") == ("none", False)
+  # Bytes grow with rows, tokens and depth.
+  nb = architectures.no_remat_bytes
+  assert nb(cfg, 2, long, "cpu") == 2 * nb(cfg, 1, long, "cpu")
+  assert nb(dataclasses.replace(cfg, num_layers=4), 1, long) == 2 * nb(cfg, 1, long)
+  with pytest.raises(ValueError, match="remat"):
+    architectures.get("tiny", remat="automatic")
+
+
+@pytest.mark.parametrize("T", [24, attention.DENSE_SAVED_MAX_KEYS + 8])
+def test_remat_auto_runs_its_plan_with_the_same_gradients(T):
+  """The model under remat "auto" runs what `layer_plan` says for its batch: past
+  DENSE_SAVED_MAX_KEYS tokens no checkpoint and no loop over the layers, at 24 tokens the layer
+  scan under remat "attention"; gradients equal those of remat "none" either way."""
+  base = architectures.get("tiny", intermediate_size=64)
+  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(5)
+  state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
+  tokens, mask, positions, _ = _batch(B=2, T=T)
+  grads, checkpoints, loops = {}, {}, {}
+  for remat in ("auto", "none"):
+    graphdef = model.abstract_graphdef(dataclasses.replace(base, remat=remat))
+
+    def loss(state, graphdef=graphdef):
+      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
+      return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    grads[remat] = grad(state)
+    program = str(jax.make_jaxpr(jax.grad(loss))(state))
+    checkpoints[remat] = "checkpoint" in program or "remat" in program
+    loops[remat] = grad.lower(state).compile().as_text().count(" while(")
+  chex.assert_trees_all_close(grads["auto"], grads["none"], atol=1e-4, rtol=1e-4)
+  long = T > attention.DENSE_SAVED_MAX_KEYS
+  assert architectures.layer_plan(base, 2, T) == (("none", False) if long else ("attention", True))
+  assert checkpoints["auto"] == (not long) and not checkpoints["none"]
+  # Unrolled layers: the loop over them is gone (the scan of "none", scan_layers=True, stays).
+  assert (loops["auto"] < loops["none"]) == long, loops
 
 
 def test_unrolled_layers_equal_the_scan():

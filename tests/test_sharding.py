@@ -530,6 +530,26 @@ def test_plan_compiles_a_kernels_stand_in_without_blockwise_residuals():
   assert acts("attention", "cpu") > acts("full", "cpu") + 4e6
 
 
+def test_plan_resolves_remat_auto_as_the_target_runs_it():
+  """remat "auto" (the default) is planned as the target runs it: "attention" on a TPU (closed
+  form and the compiled stand-in), and on CPU, for a tiny model's 319-token update, no remat
+  with the layers unrolled (the compile resolves it by the micro-batch, the closed form agrees)."""
+  devices = jax.devices()[:1]
+
+  def acts(remat, backend, compile, scan=True):
+    c = config_lib.base("smoke")
+    c.model.preset, c.model.remat, c.model.scan_layers = "tiny", remat, scan
+    c.data.train_path = "never_read.jsonl"
+    c.data.max_prompt_tokens, c.rollout.max_new_tokens = 64, 2 * attention.DENSE_MAX_LEN
+    c.train.epochs = c.train.minibatches = 1
+    return plan.plan(c, {"data": 1}, compile=compile, devices=devices, backend=backend).activations
+
+  for compile in (False, True):
+    assert acts("auto", "tpu", compile) == acts("attention", "tpu", compile)
+  assert acts("auto", "cpu", False) == acts("none", "cpu", False) != acts("attention", "cpu", False)
+  assert acts("auto", "cpu", True) == acts("none", "cpu", True, scan=False)
+
+
 def test_update_flops_count_six_per_parameter_and_token_plus_causal_attention():
   """plan.update_flops: the body is 6 x the layers' matmul parameters per token (counted here
   from the model itself), the head 6 x its parameters per response token, and attention grows
