@@ -274,8 +274,8 @@ def plan(
   n, p, r = rollout_shape(config)
   notes = []
   impl = attention_impl(cfg, p + r - 1, backend)
-  # remat "auto" resolved for the target (on CPU the compile below resolves it itself, by the
-  # micro-batch's rows; elsewhere the rows do not matter).
+  # remat "auto" as the target resolves it, for the stand-ins below (non-CPU targets, where the
+  # rows do not matter; a CPU target's compile resolves it itself, by the micro-batch's rows).
   remat, scan = architectures.layer_plan(cfg, n, p + r - 1, backend)
   # A compiled blockwise attention (the target's own, or the stand-in below) has CPU's tiles,
   # `attention.block_size`: at most 256 tokens against 512 on a GPU or TPU, a small share of the
@@ -422,7 +422,8 @@ def main(argv) -> None:
   )
   n, p, r = rollout_shape(config)
   impl = attention_impl(cfg, p + r - 1, backend)
-  remat = cfg.remat if backend == "cpu" else architectures.layer_plan(cfg, n, p + r - 1, backend)[0]
+  micro = max(1, n // (config.train.minibatches * config.train.microbatches))
+  remat = architectures.layer_plan(cfg, micro, p + r - 1, backend)[0]  # what "auto" runs
   title = (
     f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {remat}, attention {impl}; "
     f"rollout {n} x ({p} + {r})"
