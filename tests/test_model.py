@@ -316,20 +316,32 @@ def test_sharding_rules_place_parameters_and_keep_outputs(policy):
   chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
-def test_remat_keeps_gradients_and_saves_memory():
-  base = architectures.get("tiny", intermediate_size=64)
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(3)
+def _hidden_loss(base, T, seed):
+  """(random weights of `base`, loss_of(cfg)): loss_of gives the sum of squares of the real
+  hidden states of a [2, T] batch under `base`'s weights with cfg's settings (remat, scan)."""
+  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
   state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
-  tokens, mask, positions, _ = _batch(B=2, T=48)
-  results = {}
-  for remat in ("none", "full"):
-    graphdef = model.abstract_graphdef(dataclasses.replace(base, remat=remat))
+  tokens, mask, positions, _ = _batch(B=2, T=T)
 
-    def loss(state, graphdef=graphdef):
+  def loss_of(cfg):
+    graphdef = model.abstract_graphdef(cfg)
+
+    def loss(state):
       hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
       return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
 
+    return loss
+
+  return state, loss_of
+
+
+def test_remat_keeps_gradients_and_saves_memory():
+  base = architectures.get("tiny", intermediate_size=64)
+  state, loss_of = _hidden_loss(base, T=48, seed=3)
+  results = {}
+  for remat in ("none", "full"):
+    loss = loss_of(dataclasses.replace(base, remat=remat))
     compiled = jax.jit(jax.grad(loss)).lower(state).compile()
     results[remat] = (compiled(state), compiled.memory_analysis().temp_size_in_bytes)
   chex.assert_trees_all_close(results["full"][0], results["none"][0], atol=1e-3, rtol=1e-3)
@@ -376,18 +388,10 @@ def test_remat_auto_runs_its_plan_with_the_same_gradients(T):
   DENSE_SAVED_MAX_KEYS tokens no checkpoint and no loop over the layers, at 24 tokens the layer
   scan under remat "attention"; gradients equal those of remat "none" either way."""
   base = architectures.get("tiny", intermediate_size=64)
-  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(5)
-  state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
-  tokens, mask, positions, _ = _batch(B=2, T=T)
+  state, loss_of = _hidden_loss(base, T=T, seed=5)
   grads, checkpoints, loops = {}, {}, {}
   for remat in ("auto", "none"):
-    graphdef = model.abstract_graphdef(dataclasses.replace(base, remat=remat))
-
-    def loss(state, graphdef=graphdef):
-      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
-      return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
-
+    loss = loss_of(dataclasses.replace(base, remat=remat))
     grad = jax.jit(jax.grad(loss))
     grads[remat] = grad(state)
     program = str(jax.make_jaxpr(jax.grad(loss))(state))
@@ -405,19 +409,10 @@ def test_unrolled_layers_equal_the_scan():
   """model.scan_layers=False: the same hidden states and gradients, the layers compiled one by
   one (no loop over them in the compiled update)."""
   base = architectures.get("tiny", intermediate_size=64, num_layers=3)
-  _, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(base, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(4)
-  state = jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
-  tokens, mask, positions, _ = _batch(B=2, T=16)
+  state, loss_of = _hidden_loss(base, T=16, seed=4)
   results, loops = {}, {}
   for scan in (True, False):
-    graphdef = model.abstract_graphdef(dataclasses.replace(base, scan_layers=scan))
-
-    def loss(state, graphdef=graphdef):
-      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
-      return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
-
-    grad = jax.jit(jax.value_and_grad(loss))
+    grad = jax.jit(jax.value_and_grad(loss_of(dataclasses.replace(base, scan_layers=scan))))
     results[scan] = grad(state)
     loops[scan] = grad.lower(state).compile().as_text().count(" while(")
   chex.assert_trees_all_close(results[False], results[True], atol=1e-4, rtol=1e-4)
