@@ -1,8 +1,9 @@
 """One RL update step: our compiled update vs Hugging Face transformers Qwen2 + torch (CPU).
 
 Both sides take one optimizer step on the same fixed batch of the same Qwen2 shape (random
-weights, copied from the HF model into ours so both compute the same function), float32, 2 CPU
-threads each, in this one process:
+weights, copied from the HF model into ours so both compute the same function), float32 (or with
+`--dtype bfloat16` bf16 compute on float32 weights: ours `model.dtype`, HF under
+`torch.autocast`), 2 CPU threads each, in this one process:
 
 - ours: `train_step.make_update_fn` as training runs it (forward with `model.attention` and
   `model.remat`, the chunked log-prob head on the response tokens, the GPPO loss kl/atomic,
@@ -17,12 +18,13 @@ medians compared; "per round" is the range of the ratios of the rounds (each HF 
 of the same round), how far a single pair could mislead. Achieved GFLOP/s counts model FLOPs
 (`plan.update_flops`: 6 x (layer parameters) per token, 6 x (LM head) per response token, plus
 causal attention, 6 x T x heads x head_dim per token and layer: the lower triangle only); it is
-compared with XLA's own float32 matmul rate on this machine (a 2048^3 `jnp.dot`, timed in the
-same run). Ends with one JSON line.
+compared with XLA's own matmul rate on this machine in the compute dtype (a 2048^3 `jnp.dot`,
+float32 accumulation, timed in the same run). Ends with one JSON line.
 
   python benchmarks/train_step.py                          # both shapes, the shipped defaults
   python benchmarks/train_step.py --shape small --repeats 7
   python benchmarks/train_step.py --shape small --rows 1 --length 4096   # a long sequence
+  python benchmarks/train_step.py --shape small --dtype bfloat16           # bf16 compute
   python benchmarks/train_step.py --shape tiny --variants full/dense,dots/dense,none/dense
   python benchmarks/train_step.py --shape tiny --variants attention/auto/xla,attention/auto/ynnpack
 
@@ -123,12 +125,15 @@ def model_flops(shape: str) -> float:
   return plan.update_flops(cfg, rows, T, T + 1 - PROMPT_LEN)
 
 
-def variant_update(cfg, variant: str):
+def variant_update(cfg, variant: str, dtype: str = "float32"):
   """(jitted update with the state donated, optimizer, spec) of our trainer for a model config
-  and a variant 'remat/attention[/cpu_matmul[/scan|unroll]]': the step both the timing and the
-  memory figures use, compiled with the trainer's options (`sharding.update_compiler_options`)."""
+  and a variant 'remat/attention[/cpu_matmul[/scan|unroll]]' in compute `dtype`: the step both
+  the timing and the memory figures use, compiled with the trainer's options
+  (`sharding.update_compiler_options`)."""
   remat, attention, cpu_matmul, layers = parse_variant(variant)
-  cfg = dataclasses.replace(cfg, remat=remat, attention=attention, scan_layers=layers == "scan")
+  cfg = dataclasses.replace(
+    cfg, remat=remat, attention=attention, scan_layers=layers == "scan", dtype=dtype
+  )
   tx = train_step.make_optimizer(lr=LR, total_steps=1000, grad_clip=1.0)
   loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.0231)
   spec = train_step.UpdateSpec(prompt_len=PROMPT_LEN, loss=loss)
@@ -151,9 +156,11 @@ def parse_variant(variant: str) -> tuple[str, str, str, str]:
   return remat, attention, cpu_matmul, layers
 
 
-def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batch):
+def ours_step(
+  model: model_lib.Transformer, variant: str, batch: train_step.Batch, dtype: str = "float32"
+):
   """run() -> one update step of our trainer, for a variant (`variant_update`)."""
-  fn, tx, _ = variant_update(model.cfg, variant)
+  fn, tx, _ = variant_update(model.cfg, variant, dtype)
   _, params = nnx.split(model)
   state = train_step.TrainState(
     params=jax.tree.map(jnp.array, params), opt_state=tx.init(params), step=jnp.int32(0)
@@ -171,8 +178,9 @@ def ours_step(model: model_lib.Transformer, variant: str, batch: train_step.Batc
   return run, compile_s
 
 
-def hf_step(hf, batch: train_step.Batch):
-  """run() -> one PPO step of the HF model: forward, loss on the response, backward, AdamW."""
+def hf_step(hf, batch: train_step.Batch, dtype: str = "float32"):
+  """run() -> one PPO step of the HF model: forward, loss on the response, backward, AdamW; the
+  forward and backward under torch.autocast for a bfloat16 `dtype`."""
   opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
   inputs = torch.from_numpy(np.asarray(batch.inputs)).long()
   targets = torch.from_numpy(np.asarray(batch.targets[:, PROMPT_LEN - 1 :])).long()
@@ -183,9 +191,10 @@ def hf_step(hf, batch: train_step.Batch):
   mask = torch.from_numpy(np.asarray(batch.mask)).float()
 
   def run():
-    hidden = hf.model(input_ids=inputs, attention_mask=attn, position_ids=positions)[0]
-    logits = hf.lm_head(hidden[:, PROMPT_LEN - 1 :])
-    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+      hidden = hf.model(input_ids=inputs, attention_mask=attn, position_ids=positions)[0]
+      logits = hf.lm_head(hidden[:, PROMPT_LEN - 1 :])
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
     ratio = torch.exp(logp - logq)
     per_tok = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * adv)
     loss = (per_tok * mask).sum() / mask.sum()
@@ -209,11 +218,12 @@ def logprob_agreement(hf, ours, batch) -> float:
   return float(np.max(np.abs(mine - theirs)))
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-  """XLA's float32 matmul rate on this machine (best of `repeats` n^3 products), GFLOP/s."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  dot = jax.jit(jnp.dot)
+def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+  """XLA's matmul rate on this machine for `dtype` operands, float32 accumulation (best of
+  `repeats` n^3 products), GFLOP/s."""
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   dot(a, b).block_until_ready()
   best = float("inf")
   for _ in range(repeats):
@@ -223,7 +233,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
   return 2 * n**3 / best / 1e9
 
 
-def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
+def update_memory(shape: str, variants: list[str], lengths: list[int], dtype="float32") -> dict:
   """GiB of temporaries XLA's memory analysis reports for one update (compiled, never run) of
   the shape's model on one sequence of each length, per variant (`variant_update`)."""
   from gppo_jax import architectures
@@ -233,7 +243,7 @@ def update_memory(shape: str, variants: list[str], lengths: list[int]) -> dict:
   base = architectures.config_from_hf(hf)
   out = {}
   for v in variants:
-    fn, tx, spec = variant_update(base, v)
+    fn, tx, spec = variant_update(base, v, dtype)
     state = train_step.abstract_train_state(base, tx)
     row = {}
     for T in lengths:
@@ -253,14 +263,14 @@ def paired_ratios(times: dict[str, list[float]], base: str = "hf") -> dict[str, 
   }
 
 
-def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
+def bench_shape(shape: str, variants: list[str], repeats: int, dtype: str = "float32") -> dict:
   hf, ours = build(shape)
   batch = make_batch(shape)
   agree = logprob_agreement(hf, ours, batch)
   methods, compile_s = {}, {}
   for v in variants:
-    methods[f"ours[{v}]"], compile_s[v] = ours_step(ours, v, batch)
-  methods["hf"] = hf_step(hf, batch)
+    methods[f"ours[{v}]"], compile_s[v] = ours_step(ours, v, batch, dtype)
+  methods["hf"] = hf_step(hf, batch, dtype)
   times = {k: [] for k in methods}
   for _ in range(repeats):
     for name, fn in methods.items():
@@ -277,7 +287,7 @@ def bench_shape(shape: str, variants: list[str], repeats: int) -> dict:
   first = f"ours[{variants[0]}]"
   rounds = paired_ratios(times)
   return dict(
-    shape=shape, batch=[rows, T], params_m=round(model_lib.param_count(ours) / 1e6, 2),
+    shape=shape, batch=[rows, T], dtype=dtype, params_m=round(model_lib.param_count(ours) / 1e6, 2),
     logprob_max_abs_diff=agree, model_gflop_per_step=round(model_flops(shape) / 1e9, 2),
     step_s={k: round(v, 4) for k, v in med.items()},
     spread_s={k: [round(min(v), 4), round(max(v), 4)] for k, v in times.items()},
@@ -302,6 +312,12 @@ def main():
     "--variants",
     default="",
     help="comma-separated remat/attention[/cpu_matmul] of ours (default: the trainer's)",
+  )
+  ap.add_argument(
+    "--dtype",
+    default="float32",
+    choices=["float32", "bfloat16"],
+    help="compute dtype of both sides (weights stay float32; HF: torch.autocast)",
   )
   ap.add_argument(
     "--memory",
@@ -332,21 +348,21 @@ def main():
   if args.memory:
     lengths = [int(t) for t in args.memory.split(",")]
     for shape in shapes:
-      mem = update_memory(shape, variants, lengths)
+      mem = update_memory(shape, variants, lengths, args.dtype)
       print(f"\n{shape}: compiled temporary memory of one update, batch 1, GiB")
       print(f"  {'variant':<20}" + "".join(f"{'T=' + str(t):>10}" for t in lengths))
       for v, row in mem.items():
         print(f"  {v:<20}" + "".join(f"{row[t]:>10.3f}" for t in lengths))
       print(json.dumps(dict(benchmark="train_step_memory", shape=shape, gib=mem)))
     return
-  peak = matmul_gflops()
+  peak = matmul_gflops(dtype=args.dtype)
   results = []
   for shape in shapes:
-    r = bench_shape(shape, variants, args.repeats)
+    r = bench_shape(shape, variants, args.repeats, args.dtype)
     results.append(r)
     print(
-      f"\n{shape}: Qwen2 shape {r['params_m']}M params, batch {r['batch']}, float32, 2 threads, "
-      f"{r['model_gflop_per_step']} model GFLOP/step; log-prob |ours - HF| <= "
+      f"\n{shape}: Qwen2 shape {r['params_m']}M params, batch {r['batch']}, {args.dtype}, "
+      f"2 threads, {r['model_gflop_per_step']} model GFLOP/step; log-prob |ours - HF| <= "
       f"{r['logprob_max_abs_diff']:.1e}"
     )
     print(
@@ -362,10 +378,14 @@ def main():
         f"{r['gflops'][k] / peak:>10.1%}{ratio:>6.2f}x{spread:>14}"
       )
     print(f"  compile s (excluded): {r['compile_s']}")
-  print(f"\nXLA float32 matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")
+  print(f"\nXLA {args.dtype} matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")
   print(f"host memory: {'kept for reuse' if kept else 'glibc and JAX defaults'} (GPPO_CPU_MEMORY)")
   summary = dict(
-    benchmark="train_step", matmul_gflops=round(peak, 1), cpu_memory_kept=kept, shapes=results
+    benchmark="train_step",
+    dtype=args.dtype,
+    matmul_gflops=round(peak, 1),
+    cpu_memory_kept=kept,
+    shapes=results,
   )
   print(json.dumps(summary))
 

@@ -102,6 +102,48 @@ def test_train_step_pairs_each_round_with_the_baseline():
     bench.paired_ratios({"ours[a]": [1.0], "hf": [1.0, 2.0]})
 
 
+def test_train_step_dtype_sets_both_sides_compute(tmp_path):
+  """--dtype bfloat16: our update computes in bf16 on float32 weights and HF runs under
+  torch.autocast (bf16 matmuls in its graph); float32 leaves both in float32; other dtypes are
+  a usage error."""
+  import dataclasses
+
+  import jax
+  import torch
+
+  from gppo_jax import architectures, train_step
+
+  bench = _load("train_step.py")
+  cfg = architectures.config_from_hf(dict(bench.SHAPES["tiny"][0], model_type="qwen2"))
+  for dtype, want in (("float32", False), ("bfloat16", True)):
+    fn, tx, spec = bench.variant_update(cfg, "attention/auto", dtype)
+    state = train_step.abstract_train_state(dataclasses.replace(cfg, dtype=dtype), tx)
+    batch = train_step.abstract_batch(2, bench.PROMPT_LEN, 16, spec)
+    text = fn.lower(state, batch, jax.random.key(0)).as_text()
+    assert ("bf16" in text) == want, dtype
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jax.numpy.dtype("float32")}
+  hf, seen = _tiny_hf(bench), []
+  hook = hf.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+  rows = bench.make_batch("tiny")
+  small = jax.tree.map(lambda x: x[:2], rows)
+  for dtype in ("float32", "bfloat16"):
+    bench.hf_step(hf, small, dtype)()
+  hook.remove()
+  assert seen == [torch.float32, torch.bfloat16]
+  assert all(p.dtype == torch.float32 for p in hf.parameters())
+  p = _run(tmp_path, "train_step.py", "--shape", "tiny", "--dtype", "float16")
+  assert p.returncode == 2 and "float16" in p.stderr, p.stderr[-2000:]
+
+
+def _tiny_hf(bench):
+  """A randomly initialised HF Qwen2 of the benchmark's tiny shape (no download)."""
+  import torch
+  from transformers import Qwen2Config, Qwen2ForCausalLM
+
+  cfg = Qwen2Config(**bench.SHAPES["tiny"][0], max_position_embeddings=512)
+  return Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+
+
 def test_gpu_benchmark_knows_each_chips_bf16_peak():
   gpu = _load("gpu_train_step.py")
   kind = lambda name: type("Device", (), {"device_kind": name})()
