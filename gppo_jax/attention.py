@@ -257,11 +257,11 @@ def _merge_rows(x):
   return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def _rows_dot(x, y, contract):
+def _rows_dot(x, y, y_layout):
   """float32 [B,K,bq,G,n]: x [B,K,bq,G,d] times y per (B, K) on the merged rows
-  (`_merge_rows`): contract "d" (y [B,K,n,d], scores q k^T) or "m" (y [B,K,d,n], probabilities
-  times values)."""
-  spec = "bkmd,bknd->bkmn" if contract == "d" else "bkmd,bkdn->bkmn"
+  (`_merge_rows`), y laid out "nd" (y [B,K,n,d]: x y^T, e.g. scores q k^T) or "dn"
+  (y [B,K,d,n]: x y, e.g. probabilities times values)."""
+  spec = {"nd": "bkmd,bknd->bkmn", "dn": "bkmd,bkdn->bkmn"}[y_layout]
   out = jnp.einsum(spec, _merge_rows(x), y, preferred_element_type=jnp.float32)
   return out.reshape(*x.shape[:4], out.shape[-1])
 
@@ -269,7 +269,7 @@ def _rows_dot(x, y, contract):
 def _scores(qi, kj, allowed, scale):
   """float32 [B,K,bq,G,bk] scaled scores of qi [B,K,bq,G,Dh], kj [B,K,bk,Dh], -inf where not
   allowed [B,bq,bk]."""
-  return _rows_dot(qi, kj, "d") * scale + _mask_bias(allowed)[:, None, :, None]
+  return _rows_dot(qi, kj, "nd") * scale + _mask_bias(allowed)[:, None, :, None]
 
 
 def _mask_bias(allowed):
@@ -295,7 +295,7 @@ def _online_step(carry, s, vj):
   p = jnp.exp(s - m_safe[..., None])
   alpha = jnp.exp(m - m_safe)
   l = alpha * l + jnp.sum(p, axis=-1)
-  return m_new, l, alpha[..., None] * acc + _rows_dot(p.astype(vj.dtype), vj, "m")
+  return m_new, l, alpha[..., None] * acc + _rows_dot(p.astype(vj.dtype), vj, "dn")
 
 
 def _flash_forward(q, k, v, mask, tile):
@@ -408,7 +408,7 @@ def _unrolled_forward(q, k, v, mask, tile):
     m = jnp.max(s, axis=-1)  # finite: every query is allowed itself
     p = jnp.exp(s - m[..., None])
     l = jnp.sum(p, axis=-1)
-    pv = _rows_dot(p.astype(v.dtype), v[:, :, :end], "m")
+    pv = _rows_dot(p.astype(v.dtype), v[:, :, :end], "dn")
     outs.append((pv / l[..., None]).astype(q.dtype))
     lses.append(m + jnp.log(l))
   return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
