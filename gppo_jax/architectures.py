@@ -144,8 +144,9 @@ def layer_plan(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None
     cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
   )
   keeps_probs = impl == "dense" and seq <= attention.DENSE_SAVED_MAX_KEYS
-  small = no_remat_bytes(cfg, rows, seq, backend) <= CPU_NO_REMAT_MAX_BYTES
-  if (backend or jax.default_backend()) == "cpu" and not keeps_probs and small:
+  if (backend or jax.default_backend()) != "cpu" or keeps_probs:
+    return "attention", cfg.scan_layers
+  if no_remat_bytes(cfg, rows, seq, backend) <= CPU_NO_REMAT_MAX_BYTES:
     return "none", False
   return "attention", cfg.scan_layers
 

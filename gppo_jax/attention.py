@@ -257,12 +257,18 @@ def _merge_rows(x):
   return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def _rows_dot(x, y, y_layout):
-  """float32 [B,K,bq,G,n]: x [B,K,bq,G,d] times y per (B, K) on the merged rows
-  (`_merge_rows`), y laid out "nd" (y [B,K,n,d]: x y^T, e.g. scores q k^T) or "dn"
-  (y [B,K,d,n]: x y, e.g. probabilities times values)."""
+def _merged_dot(x, y, y_layout):
+  """float32 [B,K,m,n]: merged rows x [B,K,m,d] times y per (B, K), y laid out "nd"
+  (y [B,K,n,d]: x y^T, e.g. scores q k^T) or "dn" (y [B,K,d,n]: x y, e.g. probabilities times
+  values)."""
   spec = {"nd": "bkmd,bknd->bkmn", "dn": "bkmd,bkdn->bkmn"}[y_layout]
-  out = jnp.einsum(spec, _merge_rows(x), y, preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+def _rows_dot(x, y, y_layout):
+  """float32 [B,K,bq,G,n]: `_merged_dot` of x [B,K,bq,G,d] on its merged rows (`_merge_rows`),
+  the rows split back."""
+  out = _merged_dot(_merge_rows(x), y, y_layout)
   return out.reshape(*x.shape[:4], out.shape[-1])
 
 
@@ -345,10 +351,10 @@ def _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale):
   p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,bq,G,bk]
   p, qi, doi, di = (_merge_rows(x) for x in (p, qi, doi, di))  # [B,K,bq*G(,.)]
   dv = _key_grad(doi, p.astype(dt))
-  dp = jnp.einsum("bkmd,bksd->bkms", doi, vj, preferred_element_type=jnp.float32)
+  dp = _merged_dot(doi, vj, "nd")
   ds = (p * (dp - di[..., None])).astype(dt)  # the scale goes on dk, dq (see dense_fused)
   dk = _key_grad(qi, ds) * scale
-  dq = jnp.einsum("bkms,bksd->bkmd", ds, kj, preferred_element_type=jnp.float32) * scale
+  dq = _merged_dot(ds, kj, "dn") * scale
   return dq.reshape(shape), dk, dv
 
 
