@@ -19,7 +19,10 @@ of the same round), how far a single pair could mislead. Achieved GFLOP/s counts
 (`plan.update_flops`: 6 x (layer parameters) per token, 6 x (LM head) per response token, plus
 causal attention, 6 x T x heads x head_dim per token and layer: the lower triangle only); it is
 compared with XLA's own matmul rate on this machine in the compute dtype (a 2048^3 `jnp.dot`,
-float32 accumulation, timed in the same run). Ends with one JSON line.
+float32 accumulation, timed in the same run), and torch's rate for the same product is printed
+beside it. The "matmul bound" is the fastest our step could be on this machine: its model FLOPs
+alone, every one at XLA's 2048^3 rate; HF's time over it is the largest ratio ours could reach
+against HF with XLA's CPU kernels. Ends with one JSON line.
 
   python benchmarks/train_step.py                          # both shapes, the shipped defaults
   python benchmarks/train_step.py --shape small --repeats 7
@@ -224,11 +227,22 @@ def matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> fl
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   b = jax.random.normal(jax.random.key(1), (n, n), dtype)
   dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  dot(a, b).block_until_ready()
+  return _best_gflops(lambda: dot(a, b).block_until_ready(), n, repeats)
+
+
+def torch_matmul_gflops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+  """The same n^3 product in torch (its CPU BLAS), GFLOP/s: the rate HF's matmuls start from."""
+  g = torch.Generator().manual_seed(0)
+  a, b = (torch.randn(n, n, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+  return _best_gflops(lambda: torch.mm(a, b), n, repeats)
+
+
+def _best_gflops(product, n: int, repeats: int) -> float:
+  product()  # compile / warm up
   best = float("inf")
   for _ in range(repeats):
     t = time.perf_counter()
-    dot(a, b).block_until_ready()
+    product()
     best = min(best, time.perf_counter() - t)
   return 2 * n**3 / best / 1e9
 
@@ -356,6 +370,7 @@ def main():
       print(json.dumps(dict(benchmark="train_step_memory", shape=shape, gib=mem)))
     return
   peak = matmul_gflops(dtype=args.dtype)
+  torch_peak = torch_matmul_gflops(dtype=args.dtype)
   results = []
   for shape in shapes:
     r = bench_shape(shape, variants, args.repeats, args.dtype)
@@ -378,12 +393,23 @@ def main():
         f"{r['gflops'][k] / peak:>10.1%}{ratio:>6.2f}x{spread:>14}"
       )
     print(f"  compile s (excluded): {r['compile_s']}")
-  print(f"\nXLA {args.dtype} matmul (2048^3) on this machine: {peak:.1f} GFLOP/s")
+    # The fastest ours could be: nothing but the model FLOPs, all at XLA's 2048^3 matmul rate.
+    r["bound_s"] = round(r["model_gflop_per_step"] / peak, 4)
+    r["bound_vs_hf"] = round(r["step_s"]["hf"] / r["bound_s"], 3)
+    print(
+      f"  matmul bound: the model FLOPs alone at XLA's matmul rate take {r['bound_s']:.4f} s, "
+      f"at most {r['bound_vs_hf']:.2f}x HF"
+    )
+  print(
+    f"\n{args.dtype} matmul (2048^3) on this machine: XLA {peak:.1f} GFLOP/s, torch "
+    f"{torch_peak:.1f} GFLOP/s ({torch_peak / peak:.2f}x XLA's)"
+  )
   print(f"host memory: {'kept for reuse' if kept else 'glibc and JAX defaults'} (GPPO_CPU_MEMORY)")
   summary = dict(
     benchmark="train_step",
     dtype=args.dtype,
     matmul_gflops=round(peak, 1),
+    torch_matmul_gflops=round(torch_peak, 1),
     cpu_memory_kept=kept,
     shapes=results,
   )

@@ -135,6 +135,25 @@ def test_train_step_dtype_sets_both_sides_compute(tmp_path):
   assert p.returncode == 2 and "float16" in p.stderr, p.stderr[-2000:]
 
 
+def test_train_step_times_both_sides_and_reports_the_matmul_bound(tmp_path):
+  """A bounded timed run: both sides step, the achieved rates stay under what the machine's
+  matmuls allow, and the bound is the model FLOPs at XLA's measured 2048^3 rate, against which
+  HF's time gives the largest ratio ours could reach."""
+  p = _run(tmp_path, "train_step.py", "--shape", "tiny", "--rows", "2", "--length", "96",
+           "--repeats", "1")  # fmt: skip
+  assert p.returncode == 0, p.stderr[-2000:]
+  result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+  (r,) = result["shapes"]
+  assert r["batch"] == [2, 96] and set(r["step_s"]) == {"ours[auto/auto]", "hf"}
+  xla, torch_rate = result["matmul_gflops"], result["torch_matmul_gflops"]
+  assert xla > 0 and torch_rate > 0
+  assert r["bound_s"] == pytest.approx(r["model_gflop_per_step"] / xla, rel=0.01, abs=1e-4)
+  assert r["bound_vs_hf"] == pytest.approx(r["step_s"]["hf"] / r["bound_s"], rel=0.03)
+  assert all(0 < g < 1.5 * max(xla, torch_rate) for g in r["gflops"].values()), r["gflops"]
+  assert r["logprob_max_abs_diff"] < 1e-4
+  assert "matmul bound:" in p.stdout and "torch" in p.stdout
+
+
 def _tiny_hf(bench):
   """A randomly initialised HF Qwen2 of the benchmark's tiny shape (no download)."""
   import torch
