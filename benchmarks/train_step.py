@@ -394,10 +394,10 @@ def main():
       )
     print(f"  compile s (excluded): {r['compile_s']}")
     # The fastest ours could be: nothing but the model FLOPs, all at XLA's 2048^3 matmul rate.
-    r["bound_s"] = round(r["model_gflop_per_step"] / peak, 4)
+    r["bound_s"] = round(r["model_gflop_per_step"] / peak, 6)
     r["bound_vs_hf"] = round(r["step_s"]["hf"] / r["bound_s"], 3)
     print(
-      f"  matmul bound: the model FLOPs alone at XLA's matmul rate take {r['bound_s']:.4f} s, "
+      f"  matmul bound: the model FLOPs alone at XLA's matmul rate take {r['bound_s']:.4g} s, "
       f"at most {r['bound_vs_hf']:.2f}x HF"
     )
   print(
