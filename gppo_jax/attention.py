@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gppo_jax import partitioning
+from gppo_jax import low_precision, partitioning
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
 # CPU: dense attention up to this many tokens, blockwise beyond. Measured with
@@ -288,7 +288,10 @@ def _key_grad(x, p):
   """float32 [B,K,Dh,bk]: the key-side gradient sum over the rows of x [B,K,bq*G,Dh] times
   p [B,K,bq*G,bk], transposed. Written as p^T x, XLA (CPU) first copies the [.., bq, bk] block
   into the transposed layout its matmul takes (10% of the tiny train step); as x^T p only the
-  Dh-wide operand is transposed, bk/Dh times less data."""
+  Dh-wide operand is transposed, bk/Dh times less data. In bf16 on CPU that operand is copied
+  row-major (`low_precision`): XLA would multiply it in float32 otherwise."""
+  if low_precision.applies(x):
+    return _merged_dot(low_precision.row_major(x.swapaxes(2, 3)), p, "dn")
   dims = (((2,), (2,)), ((0, 1), (0, 1)))
   return jax.lax.dot_general(x, p, dims, preferred_element_type=jnp.float32)
 
@@ -457,7 +460,7 @@ def _flash_fwd(q, k, v, mask, tile, unroll):
 
 def _flash_bwd(tile, unroll, res, dout):
   backward = _unrolled_backward if unroll else _flash_backward
-  return (*backward(*res, dout, tile), None)
+  return (*backward(*res, low_precision.row_major(dout), tile), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -487,8 +490,9 @@ def blockwise(
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     mask = jnp.pad(mask, ((0, 0), (0, pad)))
   Tp = T + pad
-  qh = q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 1, 3, 4)  # [B,K,Tp,G,Dh]
-  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,Dh]
+  # Row-major copies in bf16 on CPU, whose products XLA would otherwise run in float32.
+  qh = low_precision.row_major(q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 1, 3, 4))
+  kh, vh = (low_precision.row_major(x.transpose(0, 2, 1, 3)) for x in (k, v))  # [B,K,Tp,Dh]
   out = _flash(qh, kh, vh, mask, tile, unroll)
   return out.transpose(0, 2, 1, 3, 4).reshape(B, Tp, H, Dh)[:, :T]
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gppo_jax import attention as attention_lib
-from gppo_jax import partitioning
+from gppo_jax import low_precision, partitioning
 from gppo_jax.architectures import REMAT_POLICIES, ModelConfig, layer_plan
 
 # --------------------------------------------------------------------------------------------
@@ -205,58 +205,13 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   forward and the backward: the same contraction written as a batched einsum
   ("btd,df->btf") makes XLA's CPU backend transpose the activation gradient of every weight
   gradient (on the tiny Qwen2 shape a 16% copy; an MLP's gradient 2x faster flattened). In a
-  16-bit dtype on CPU the product is `_cpu_low_precision_matmul` unless custom_vjp is False
-  (remat "dots" must see a plain product to save it)."""
+  16-bit dtype on CPU the product is `low_precision.matmul` unless custom_vjp is False (remat
+  "dots" must see a plain product to save it)."""
   lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
   out = w.shape[contract:]
   x2, w2 = x.reshape(math.prod(lead), math.prod(inner)), w.reshape(math.prod(inner), math.prod(out))
-  y = _cpu_low_precision_matmul(x2, w2) if custom_vjp and _cpu_low_precision(x2) else x2 @ w2
+  y = low_precision.matmul(x2, w2) if custom_vjp and low_precision.applies(x2) else x2 @ w2
   return y.reshape(*lead, *out)
-
-
-def _cpu_low_precision(x: jax.Array) -> bool:
-  """A 16-bit compute dtype traced for the CPU backend (the one `_dot_operand_t` copies for)."""
-  return jnp.dtype(x.dtype).itemsize < 4 and jax.default_backend() == "cpu"
-
-
-def _dot_operand_t(a: jax.Array) -> jax.Array:
-  """a.T [n, m] for a 2-D a, as an operand of a matrix product.
-
-  XLA's CPU backend runs a 16-bit product in that dtype only on row-major, untransposed
-  operands; a.T carries a transposed layout (as does a product contracting a's first axis), so
-  XLA converts both operands to float32 and multiplies at the float32 rate (on an AMX CPU a
-  sixth of the bf16 one). Joining a.T's two column halves makes a row-major copy it accepts: on
-  the small Qwen2 shape in bf16 the update step took 1.29 s instead of 2.04 s. Elsewhere (other
-  backends, float32) plain a.T, which their matmuls read in place."""
-  t = a.T
-  if not _cpu_low_precision(a) or t.shape[1] < 2:
-    return t
-  half = t.shape[1] // 2
-  return jnp.concatenate([t[:, :half], t[:, half:]], axis=1)
-
-
-@jax.custom_vjp
-def _cpu_low_precision_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [N, K] @ w [K, M] in their 16-bit dtype with float32 accumulation, rounded to that dtype:
-  the product `x @ w` computes, written so that XLA's CPU backend keeps the forward and both
-  backward products in the 16-bit dtype (a plain 16-bit output, and autodiff's transposed
-  operands, make it convert them to float32: `_dot_operand_t`)."""
-  return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _cpu_low_precision_matmul_fwd(x, w):
-  return _cpu_low_precision_matmul(x, w), (x, w)
-
-
-def _cpu_low_precision_matmul_bwd(residuals, dy):
-  x, w = residuals
-  f32 = jnp.float32
-  dx = jnp.dot(dy, _dot_operand_t(w), preferred_element_type=f32).astype(x.dtype)
-  dw = jnp.dot(_dot_operand_t(x), dy, preferred_element_type=f32).astype(w.dtype)
-  return dx, dw
-
-
-_cpu_low_precision_matmul.defvjp(_cpu_low_precision_matmul_fwd, _cpu_low_precision_matmul_bwd)
 
 
 def _layer(cfg, p, x, rope, attend):

@@ -21,6 +21,7 @@ LAYERS = [
     {
       "architectures",
       "attention",
+      "low_precision",
       "model",
       "partitioning",
       "sharding",

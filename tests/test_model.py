@@ -1,7 +1,6 @@
 """Transformer properties: chunked heads equal naive ones, padding, causality, cache, sharding."""
 
 import dataclasses
-import re
 
 import chex
 import conftest
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, attention, errors, model, partitioning
+from gppo_jax import architectures, attention, errors, low_precision, model, partitioning
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 
@@ -62,44 +61,6 @@ def test_project_equals_the_einsum_in_values_and_gradients(x_shape, w_shape, con
   g_want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * cot), (0, 1))(x, w)
   for a, b in zip(g_got, g_want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-
-
-def _compiled_dot_operands(fn, *args) -> list[tuple[str, str]]:
-  """The operand dtypes ("bf16", "f32" ...) of every matrix product in fn's compiled program."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
-  return [(dtypes[a], dtypes[b]) for a, b in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", text)]
-
-
-def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
-  """On CPU, XLA runs a bf16 product in bf16 (not converted to float32) only on untransposed
-  row-major operands, and autodiff's backward of x @ w hands it transposed ones. `project` in
-  bf16 keeps all three products in bf16 wherever XLA does so for a plain one, with the values
-  and gradients of the plain product (remat "dots" gets that plain product: custom_vjp=False)."""
-  kx, kw, kc = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(kx, (2, 64, 96), jnp.bfloat16)
-  w = (0.1 * jax.random.normal(kw, (96, 160))).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (2, 64, 160))
-  plain = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
-  if _compiled_dot_operands(plain, x[0], w) != [("bf16", "bf16")]:
-    pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
-
-  def grad(custom_vjp):
-    loss = lambda x, w: jnp.sum(
-      jnp.sin(model.project(x, w, custom_vjp=custom_vjp).astype(jnp.float32)) * cot
-    )
-    return jax.grad(loss, argnums=(0, 1))
-
-  assert _compiled_dot_operands(grad(True), x, w) == [("bf16", "bf16")] * 3
-  y, y_ref = model.project(x, w), model.project(x, w, custom_vjp=False)
-  assert y.dtype == jnp.bfloat16
-  np.testing.assert_allclose(
-    np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2
-  )
-  for got, want in zip(grad(True)(x, w), grad(False)(x, w), strict=True):
-    assert got.dtype == want.dtype == jnp.bfloat16
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 # padded multi-chunk; one capped chunk; the default (these logits are small: one plain piece)
@@ -397,7 +358,7 @@ def test_bf16_layers_take_the_gradients_of_plain_products_under_remat(remat, sca
   state, loss_of = _hidden_loss(base, T=48, seed=5)
   loss = loss_of(dataclasses.replace(base, remat=remat, scan_layers=scan))
   got = jax.jit(jax.grad(loss))(state)
-  monkeypatch.setattr(model, "_cpu_low_precision", lambda x: False)
+  monkeypatch.setattr(low_precision, "applies", lambda x: False)
   want = jax.jit(jax.grad(loss))(state)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert g.dtype == w.dtype == jnp.float32 and np.isfinite(np.asarray(g)).all()

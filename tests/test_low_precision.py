@@ -1,0 +1,144 @@
+"""16-bit products on CPU (`low_precision`): XLA keeps them in 16 bits, values and gradients are
+those of the plain products, and every configuration of the bf16 update compiles and runs."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gppo_jax import architectures, low_precision, model, objective, train_step
+
+
+def _compiled_dot_operands(fn, *args) -> list[tuple[str, str]]:
+  """The operand dtypes ("bf16", "f32" ...) of every matrix product in fn's compiled program."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+  products = re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
+  return [(dtypes[a], dtypes[b]) for a, b in products]
+
+
+def _xla_multiplies_bf16_natively() -> bool:
+  x = jnp.ones((64, 96), jnp.bfloat16)
+  plain = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+  return _compiled_dot_operands(plain, x, x.T.copy()) == [("bf16", "bf16")]
+
+
+def test_row_major_copies_16_bit_arrays_on_cpu_and_passes_others_through():
+  x = jax.random.normal(jax.random.key(0), (3, 5, 8), jnp.bfloat16).transpose(0, 2, 1)
+  got = jax.jit(low_precision.row_major)(x)
+  assert got.dtype == jnp.bfloat16 and got.shape == x.shape
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
+  assert low_precision.applies(x) and not low_precision.applies(x.astype(jnp.float32))
+  f32 = x.astype(jnp.float32)
+  assert low_precision.row_major(f32) is f32
+  one = x[..., :1]  # nothing to split: left as it is
+  assert low_precision.row_major(one) is one
+  np.testing.assert_array_equal(low_precision.transposed(x[0]), x[0].T)
+
+
+def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
+  """On CPU, XLA runs a bf16 product in bf16 (not converted to float32) only on untransposed
+  row-major operands, and autodiff's backward of x @ w hands it transposed ones. `project` in
+  bf16 keeps all three products in bf16 wherever XLA does so for a plain one, with the values
+  and gradients of the plain product (remat "dots" gets that plain product: custom_vjp=False)."""
+  if not _xla_multiplies_bf16_natively():
+    pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
+  kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (2, 64, 96), jnp.bfloat16)
+  w = (0.1 * jax.random.normal(kw, (96, 160))).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (2, 64, 160))
+
+  def grad(custom_vjp):
+    loss = lambda x, w: jnp.sum(
+      jnp.sin(model.project(x, w, custom_vjp=custom_vjp).astype(jnp.float32)) * cot
+    )
+    return jax.grad(loss, argnums=(0, 1))
+
+  assert _compiled_dot_operands(grad(True), x, w) == [("bf16", "bf16")] * 3
+  y, y_ref = model.project(x, w), model.project(x, w, custom_vjp=False)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2
+  )
+  for got, want in zip(grad(True)(x, w), grad(False)(x, w), strict=True):
+    assert got.dtype == want.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_bf16_blockwise_attention_multiplies_in_bf16():
+  """The blockwise attention's tile products (forward and backward) on the bf16 operands it
+  makes row-major, looped and unrolled: none converted to float32 where XLA multiplies a plain
+  bf16 product in bf16."""
+  if not _xla_multiplies_bf16_natively():
+    pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
+  from gppo_jax import attention
+
+  B, T, H, K, Dh = 2, 200, 4, 2, 32
+  q, k, v = (
+    jax.random.normal(key, (B, T, n, Dh), jnp.bfloat16)
+    for key, n in zip(jax.random.split(jax.random.key(1), 3), (H, K, K), strict=True)
+  )
+  mask = jnp.ones((B, T), bool)
+  for unroll in (True, False):
+    loss = lambda q, k, v, unroll=unroll: jnp.sum(
+      jnp.sin(attention.blockwise(q, k, v, mask, block_size=64, unroll=unroll).astype(jnp.float32))
+    )
+    dots = _compiled_dot_operands(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert len(dots) >= 5 and all(d == ("bf16", "bf16") for d in dots), (unroll, dots)
+
+
+P = 8  # prompt tokens of the update batches below
+
+
+def _update_metrics(cfg, rows, length, seed=0):
+  """One bf16 training update of cfg's random model on rows x length tokens: its metrics."""
+  rng = np.random.default_rng(seed)
+  R = length - P
+  batch = train_step.build_batch(
+    rng.integers(3, cfg.vocab_size, (rows, P)).astype(np.int32),
+    np.ones((rows, P), bool),
+    rng.integers(3, cfg.vocab_size, (rows, R)).astype(np.int32),
+    np.arange(R)[None] < rng.integers(R // 2, R + 1, (rows, 1)),
+    logq=np.log(rng.uniform(0.05, 0.9, (rows, R))).astype(np.float32),
+    adv=rng.normal(size=rows).astype(np.float32),
+  )
+  graphdef, params = nnx.split(model.create(cfg, seed=seed))
+  tx = train_step.make_optimizer(lr=1e-3, total_steps=10)
+  loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.05)
+  update = train_step.make_update_fn(graphdef, tx, train_step.UpdateSpec(prompt_len=P, loss=loss))
+  state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+  new, metrics = jax.jit(update)(state, batch, jax.random.key(seed))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
+  return jax.device_get(metrics)
+
+
+@pytest.mark.parametrize(
+  "remat, attention_impl, scan, tied, rows, length",
+  [
+    ("auto", "auto", True, True, 4, 64),  # dense attention, no remat, layers unrolled
+    ("none", "auto", False, False, 2, 200),  # blockwise, tiles unrolled
+    ("attention", "auto", True, True, 2, 200),
+    ("dots", "auto", True, False, 2, 200),  # plain products for the policy to save
+    ("full", "blockwise", True, True, 1, 600),  # blockwise loops (past UNROLL_MAX_LEN)
+  ],
+)
+def test_bf16_update_runs_and_matches_plain_products(
+  remat, attention_impl, scan, tied, rows, length, monkeypatch
+):
+  """Every kind of layer plan and attention compiles and runs in bf16 on CPU (XLA's CPU backend
+  refuses a bf16 product it planned for its library and then could not give it), with the
+  loss and gradient norm of the same update built from plain products."""
+  cfg = architectures.get(
+    "tiny", dtype="bfloat16", remat=remat, attention=attention_impl, scan_layers=scan,
+    tie_word_embeddings=tied, max_position_embeddings=1024,
+  )  # fmt: skip
+  got = _update_metrics(cfg, rows, length)
+  monkeypatch.setattr(low_precision, "applies", lambda x: False)
+  want = _update_metrics(cfg, rows, length)
+  for key in ("loss/total", "optim/grad_norm"):
+    np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=3e-2, atol=1e-4)
+  assert float(np.asarray(want["optim/grad_norm"]).max()) > 0
