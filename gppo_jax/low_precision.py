@@ -15,13 +15,21 @@ the blockwise attention's operands `row_major`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 
 def applies(x: jax.Array) -> bool:
-  """x is 16-bit and traced for the CPU backend: the case the helpers below change."""
-  return jnp.dtype(x.dtype).itemsize == 2 and jax.default_backend() == "cpu"
+  """x is 16-bit and traced for one CPU device: the case the helpers below change. Not across a
+  mesh (an ambient mesh of more than one device, as the sharded jits set): there XLA's
+  partitioner would gather whole arrays to join halves split over devices (the 7B memory plan
+  of README "Performance" grew sevenfold), and the planner stands CPU devices in for other chips."""
+  if jnp.dtype(x.dtype).itemsize != 2 or jax.default_backend() != "cpu":
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or math.prod(mesh.shape.values()) == 1
 
 
 def row_major(x: jax.Array) -> jax.Array:

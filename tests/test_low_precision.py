@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, low_precision, model, objective, train_step
+from gppo_jax import architectures, low_precision, model, objective, sharding, train_step
 
 
 def _compiled_dot_operands(fn, *args) -> list[tuple[str, str]]:
@@ -94,8 +94,9 @@ def test_bf16_blockwise_attention_multiplies_in_bf16():
 P = 8  # prompt tokens of the update batches below
 
 
-def _update_metrics(cfg, rows, length, seed=0):
-  """One bf16 training update of cfg's random model on rows x length tokens: its metrics."""
+def _update_metrics(cfg, rows, length, seed=0, mesh=None):
+  """One bf16 training update of cfg's random model on rows x length tokens: its metrics; on
+  `mesh` the trainer's sharded jit (`sharding.jit_update`)."""
   rng = np.random.default_rng(seed)
   R = length - P
   batch = train_step.build_batch(
@@ -111,7 +112,14 @@ def _update_metrics(cfg, rows, length, seed=0):
   loss = objective.LossConfig(divergence="kl", estimator="atomic", delta_low=0.05)
   update = train_step.make_update_fn(graphdef, tx, train_step.UpdateSpec(prompt_len=P, loss=loss))
   state = train_step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-  new, metrics = jax.jit(update)(state, batch, jax.random.key(seed))
+  if mesh is None:
+    new, metrics = jax.jit(update)(state, batch, jax.random.key(seed))
+  else:
+    shardings = sharding.state_shardings(state, mesh)
+    update = sharding.jit_update(update, shardings, sharding.batch_shardings(batch, mesh))
+    new, metrics = update(
+      jax.device_put(state, shardings), sharding.shard_batch(batch, mesh), jax.random.key(seed)
+    )
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
   return jax.device_get(metrics)
 
@@ -142,3 +150,23 @@ def test_bf16_update_runs_and_matches_plain_products(
   for key in ("loss/total", "optim/grad_norm"):
     np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=3e-2, atol=1e-4)
   assert float(np.asarray(want["optim/grad_norm"]).max()) > 0
+
+
+def test_rewrites_stay_off_across_a_mesh(monkeypatch):
+  """Across a mesh of devices (the ambient mesh the sharded jits set) the products stay plain:
+  joining halves of an axis split over devices would make XLA gather whole arrays (and the
+  planner compiles on CPU devices for other chips); on a mesh of one device they apply."""
+  x = jnp.ones((4, 6), jnp.bfloat16)
+  assert low_precision.applies(x)
+  for devices, want in ((8, False), (1, True)):
+    mesh = sharding.make_mesh({"fsdp": devices}, jax.devices()[:devices])
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      assert low_precision.applies(x) is want
+  seen = []
+  real = low_precision.matmul
+  monkeypatch.setattr(low_precision, "matmul", lambda a, b: seen.append(a.shape) or real(a, b))
+  cfg = architectures.get("tiny", dtype="bfloat16", remat="none")
+  _update_metrics(cfg, 8, 32, mesh=sharding.make_mesh({"fsdp": 8}))
+  assert seen == []
+  _update_metrics(cfg, 8, 32, mesh=sharding.make_mesh({"fsdp": 1}, jax.devices()[:1]))
+  assert seen
