@@ -156,7 +156,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm over the last axis in float32, returned in x's dtype (as Llama/Qwen do)."""
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return xf.astype(x.dtype) * weight.astype(x.dtype)
+  return _in_float32(jnp.multiply, xf.astype(x.dtype), weight.astype(x.dtype))
+
+
+def _in_float32(op: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
+  """op(a, b) in a's dtype, computed in float32: for 16-bit operands the values XLA's CPU
+  backend computes anyway, but the gradient of a broadcast operand (a norm's weight, a bias)
+  then sums over the tokens in float32. That backend sums bf16 in bf16: over 2,048 tokens such
+  gradients came out ~8x further from the float32 ones (some elements off by more than their
+  own size), through slow reduce-windows (~0.1 s of the small Qwen2 shape's bf16 step)."""
+  f32 = jnp.float32
+  return op(a.astype(f32), b.astype(f32)).astype(a.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -225,7 +235,7 @@ def _layer(cfg, p, x, rope, attend):
   k = mm(h, w["wk"])
   v = mm(h, w["wv"])
   if cfg.attention_bias:
-    q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q, k, v = (_in_float32(jnp.add, a, w[b]) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
   if cfg.qk_norm:
     q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
