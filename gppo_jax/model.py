@@ -599,10 +599,11 @@ def _low_precision_head_bwd(tied, residuals, g):
   f32 = jnp.float32
   dh = jnp.einsum("...v,vd->...d" if tied else "...v,dv->...d", g, w, preferred_element_type=f32)
   g2, h2 = g.reshape(-1, g.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+  # Products on row-major operands, which XLA's CPU backend multiplies in bf16 (low_precision).
   if tied:
-    dw = jnp.einsum("nv,nd->vd", g2, h2, preferred_element_type=f32)
+    dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)
   else:
-    dw = jnp.einsum("nd,nv->dv", h2, g2, preferred_element_type=f32)
+    dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)
   return dh.astype(hidden.dtype), dw.astype(w_dtype.dtype), None
 
 

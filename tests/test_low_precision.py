@@ -69,6 +69,23 @@ def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+def test_bf16_tied_head_multiplies_in_bf16():
+  """The tied head's forward and both backward products (`model._low_precision_head`) in bf16,
+  its weight gradient over a row-major copy of the logits' gradient."""
+  if not _xla_multiplies_bf16_natively():
+    pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
+  kh, kw = jax.random.split(jax.random.key(4))
+  hidden = jax.random.normal(kh, (2, 64, 96), jnp.bfloat16)
+  w = 0.1 * jax.random.normal(kw, (256, 96))
+  targets = jnp.arange(2 * 64).reshape(2, 64) % 256
+
+  def loss(h, w):
+    return jnp.sum(model.chunked_logprob_stats(h, w, targets, tied=True)["logprobs"])
+
+  dots = _compiled_dot_operands(jax.grad(loss, argnums=(0, 1)), hidden, w)
+  assert len(dots) == 3 and all(d == ("bf16", "bf16") for d in dots), dots
+
+
 def test_bf16_blockwise_attention_multiplies_in_bf16():
   """The blockwise attention's tile products (forward and backward) on the bf16 operands it
   makes row-major, looped and unrolled: none converted to float32 where XLA multiplies a plain
