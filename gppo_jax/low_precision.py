@@ -6,11 +6,13 @@ row-major arrays; it decides this before assigning layouts. A transposed operand
 `k.transpose(...)`, and the transposed weights and activations autodiff hands the backward of
 `x @ w`) makes it convert both operands to float32 and multiply at the float32 rate: on a 2-core
 AMX VM a fifth of the bf16 rate. The helpers here give it operands it takes as they are, and
-change nothing in float32 or on other backends (their matmuls read transposed operands in place).
+change nothing in float32, on other backends (their matmuls read transposed operands in place)
+or across a mesh of devices (`applies`).
 
-Measured on the small Qwen2 shape of `benchmarks/train_step.py` in bf16 (Intel VM with AMX): the
-update step 2.04 s -> 1.28 s with the layers' projections as `matmul`, 0.976x that again with
-the blockwise attention's operands `row_major`.
+Measured on the small Qwen2 shape of `benchmarks/train_step.py` in bf16 (Intel VM with AMX), in
+one process against the code before: the update step 2.05 s -> 1.24 s with the layers'
+projections as `matmul`, then 0.95x that with the blockwise attention's operands `row_major`
+and 0.96x again with the tied head's weight gradient over a `transposed` logits gradient.
 """
 
 from __future__ import annotations
