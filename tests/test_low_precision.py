@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, low_precision, model, objective, sharding, train_step
+from gppo_jax import architectures, attention, low_precision, model, objective, sharding, train_step
 
 
 def _compiled_dot_operands(fn, *args) -> list[tuple[str, str]]:
@@ -92,8 +92,6 @@ def test_bf16_blockwise_attention_multiplies_in_bf16():
   bf16 product in bf16."""
   if not _xla_multiplies_bf16_natively():
     pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
-  from gppo_jax import attention
-
   B, T, H, K, Dh = 2, 200, 4, 2, 32
   q, k, v = (
     jax.random.normal(key, (B, T, n, Dh), jnp.bfloat16)
@@ -165,7 +163,7 @@ def _update_metrics(cfg, rows, length, seed=0, mesh=None):
 @pytest.mark.parametrize(
   "remat, attention_impl, scan, tied, rows, length",
   [
-    ("auto", "auto", True, True, 4, 64),  # dense attention, no remat, layers unrolled
+    ("auto", "auto", True, True, 4, 64),  # dense attention (auto: remat attention, scanned)
     ("none", "auto", False, False, 2, 200),  # blockwise, tiles unrolled
     ("attention", "auto", True, True, 2, 200),
     ("dots", "auto", True, False, 2, 200),  # plain products for the policy to save
