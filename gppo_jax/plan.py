@@ -110,6 +110,12 @@ def model_config(config) -> tuple[architectures.ModelConfig, str]:
   return architectures.get(name, **overrides), f"architecture {name!r}"
 
 
+def micro_batch_rows(n: int, train) -> int:
+  """Rows of one gradient micro-batch (all devices) of an n-row rollout under `train` (the
+  config's train section or an UpdateSpec: minibatches x microbatches per epoch)."""
+  return max(1, n // (train.minibatches * train.microbatches))
+
+
 def rollout_shape(config) -> tuple[int, int, int]:
   """(sequences N, prompt length P, response length R) of one rollout batch."""
   r = config.rollout
@@ -206,7 +212,7 @@ def analytic_activation_bytes(
   """
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   tp = mesh.shape["tensor"]
-  micro = max(1, n // (spec.minibatches * spec.microbatches))
+  micro = micro_batch_rows(n, spec)
   rows = max(1, micro // dp)
   remat = architectures.layer_plan(cfg, micro, seq, backend)[0]  # "auto" as the model runs it
   item = np.dtype(cfg.compute_dtype).itemsize
@@ -274,9 +280,9 @@ def plan(
   n, p, r = rollout_shape(config)
   notes = []
   impl = attention_impl(cfg, p + r - 1, backend)
-  # remat "auto" as the target resolves it, for the stand-ins below (non-CPU targets, where the
-  # rows do not matter; a CPU target's compile resolves it itself, by the micro-batch's rows).
-  remat, scan = architectures.layer_plan(cfg, n, p + r - 1, backend)
+  # remat "auto" as the target resolves it, for the stand-ins below (a CPU target's compile
+  # resolves it itself, the same way).
+  remat, scan = architectures.layer_plan(cfg, micro_batch_rows(n, config.train), p + r - 1, backend)
   # A compiled blockwise attention (the target's own, or the stand-in below) has CPU's tiles,
   # `attention.block_size`: at most 256 tokens against 512 on a GPU or TPU, a small share of the
   # memory next to the O(T) terms.
@@ -422,7 +428,7 @@ def main(argv) -> None:
   )
   n, p, r = rollout_shape(config)
   impl = attention_impl(cfg, p + r - 1, backend)
-  micro = max(1, n // (config.train.minibatches * config.train.microbatches))
+  micro = micro_batch_rows(n, config.train)
   remat = architectures.layer_plan(cfg, micro, p + r - 1, backend)[0]  # what "auto" runs
   title = (
     f"{source}: dtype {cfg.dtype}/{cfg.param_dtype}, remat {remat}, attention {impl}; "
