@@ -160,11 +160,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _in_float32(op: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
-  """op(a, b) in a's dtype, computed in float32: for 16-bit operands the values XLA's CPU
-  backend computes anyway, but the gradient of a broadcast operand (a norm's weight, a bias)
-  then sums over the tokens in float32. That backend sums bf16 in bf16: over 2,048 tokens such
-  gradients came out ~8x further from the float32 ones (some elements off by more than their
-  own size), through slow reduce-windows (~0.1 s of the small Qwen2 shape's bf16 step)."""
+  """op(a, b) in a's dtype, computed in float32 where `low_precision.applies` (16-bit on one CPU
+  device): the values XLA's CPU backend computes anyway, but the gradient of a broadcast operand
+  (a norm's weight, a bias) then sums over the tokens in float32. That backend sums bf16 in
+  bf16: over 2,048 tokens such gradients came out ~8x further from the float32 ones (some
+  elements off by more than their own size), through slow reduce-windows (~0.1 s of the small
+  Qwen2 shape's bf16 step). Elsewhere plain op(a, b): on every backend the float32 ops cost the
+  planner's compiled 7B plan (CPU devices standing in for TPUs) 1.3 GiB more per device."""
+  if not low_precision.applies(a):
+    return op(a, b)
   f32 = jnp.float32
   return op(a.astype(f32), b.astype(f32)).astype(a.dtype)
 

@@ -191,13 +191,17 @@ def test_bf16_update_runs_and_matches_plain_products(
 def test_rewrites_stay_off_across_a_mesh(monkeypatch):
   """Across a mesh of devices (the ambient mesh the sharded jits set) the products stay plain:
   joining halves of an axis split over devices would make XLA gather whole arrays (and the
-  planner compiles on CPU devices for other chips); on a mesh of one device they apply."""
+  planner compiles on CPU devices for other chips); on a mesh of one device they apply. The
+  norms' and biases' float32 ops (`model._in_float32`) likewise."""
   x = jnp.ones((4, 6), jnp.bfloat16)
   assert low_precision.applies(x)
   for devices, want in ((8, False), (1, True)):
     mesh = sharding.make_mesh({"fsdp": devices}, jax.devices()[:devices])
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       assert low_precision.applies(x) is want
+      # The norms' and biases' float32 ops follow the same rule.
+      jaxpr = str(jax.make_jaxpr(model._in_float32, static_argnums=0)(jnp.multiply, x, x))
+      assert ("convert_element_type" in jaxpr) is want
   seen = []
   real = low_precision.matmul
   monkeypatch.setattr(low_precision, "matmul", lambda a, b: seen.append(a.shape) or real(a, b))
