@@ -29,7 +29,12 @@ def applies(x: jax.Array) -> bool:
   mesh (an ambient mesh of more than one device, as the sharded jits set): there XLA's
   partitioner would gather whole arrays to join halves split over devices (the 7B memory plan
   of README "Performance" grew sevenfold), and the planner stands CPU devices in for other chips."""
-  if jnp.dtype(x.dtype).itemsize != 2 or jax.default_backend() != "cpu":
+  return jnp.dtype(x.dtype).itemsize == 2 and one_cpu_device()
+
+
+def one_cpu_device() -> bool:
+  """Tracing for one CPU device: the CPU backend, outside any mesh of more than one device."""
+  if jax.default_backend() != "cpu":
     return False
   mesh = jax.sharding.get_abstract_mesh()
   return mesh.empty or math.prod(mesh.shape.values()) == 1

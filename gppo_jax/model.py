@@ -567,12 +567,13 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 def head_logits(hidden, w, tied, w_low=None):
   """float32 logits hidden @ W (W [D, V], or [V, D] when tied) from operands in hidden's dtype,
-  accumulated in float32. In a low-precision compute dtype the backward takes the logits'
-  float32 cotangent in that dtype too (`_low_precision_head`); w_low, W already in hidden's
-  dtype, saves casting it again (the chunked head casts it once for all chunks)."""
-  if jnp.dtype(hidden.dtype).itemsize < 4:
+  accumulated in float32. In a low-precision compute dtype, and on one CPU device where a tied
+  head's weight gradient is better transposed (`_transposed_weight_gradient`), through
+  `_head_with_backward`; w_low, W already in hidden's dtype, saves casting it again (the chunked
+  head casts it once for all chunks)."""
+  if jnp.dtype(hidden.dtype).itemsize < 4 or (tied and _transposed_weight_gradient(hidden, w)):
     w_low = w.astype(hidden.dtype) if w_low is None else w_low
-    return _low_precision_head(tied, hidden, w, jax.lax.stop_gradient(w_low))
+    return _head_with_backward(tied, hidden, w, jax.lax.stop_gradient(w_low))
   return _head_matmul(hidden, w.astype(hidden.dtype), tied)
 
 
@@ -581,37 +582,56 @@ def _head_matmul(hidden, w, tied):
   return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
 
 
+def _transposed_weight_gradient(hidden, w) -> bool:
+  """Whether a tied head's weight gradient [V, D] is taken as (h^T g)^T rather than autodiff's
+  g^T h: on one CPU device (`low_precision.one_cpu_device`), whose matmul reads its left operand
+  row-major, so g^T h first copies the [N, V] logits gradient g into the transposed layout;
+  (h^T g)^T copies h [N, D] and the [D, V] product instead, fewer elements where
+  N V > (N + V) D (N > D rows for a large vocab). Small Qwen2 shape of benchmarks/train_step.py
+  (tied, vocab 32k), in one process against g^T h: the float32 update step 0.97x-0.98x the time
+  at [8, 256] and [1, 2048] (where the copy alone took 158 ms), the bf16 one 0.94x. GPU and TPU
+  matmuls read transposed operands in place: g^T h stays there."""
+  n, (v, d) = math.prod(hidden.shape[:-1]), w.shape
+  return low_precision.one_cpu_device() and n * v > (n + v) * d
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _low_precision_head(tied, hidden, w, w_low):
-  """`_head_matmul` of hidden and w_low (W in hidden's dtype; only W gets a gradient) whose
-  backward runs both matmuls on low-precision operands (the float32 logits cotangent rounded to
-  hidden's dtype) with float32 accumulation, as the layers' own backward does. Autodiff would
-  multiply the float32 cotangent by the low-precision W, i.e. a float32 matmul: on an H200
-  (bf16 compute, Qwen2.5-0.5B shape, vocab 152k) 33 of 200 ms per update step, in TF32. dW
-  comes back in W's dtype, summed in float32 (not rounded to bf16 on its way)."""
+def _head_with_backward(tied, hidden, w, w_low):
+  """`_head_matmul` of hidden and w_low (W in hidden's dtype; only W gets a gradient) with a
+  hand-written backward. In a low-precision dtype both backward matmuls run on low-precision
+  operands (the float32 logits cotangent rounded to hidden's dtype) with float32 accumulation,
+  as the layers' own backward does: autodiff would multiply the float32 cotangent by the
+  low-precision W, i.e. a float32 matmul (on an H200, bf16 compute, Qwen2.5-0.5B shape, vocab
+  152k: 33 of 200 ms per update step, in TF32). dW comes back in W's dtype, summed in float32
+  (not rounded to bf16 on its way); a tied dW is (h^T g)^T where `_transposed_weight_gradient`."""
   return _head_matmul(hidden, w_low, tied)
 
 
-def _low_precision_head_fwd(tied, hidden, w, w_low):
+def _head_with_backward_fwd(tied, hidden, w, w_low):
   # The zero-size array carries W's dtype to the backward.
   return _head_matmul(hidden, w_low, tied), (hidden, w_low, jnp.zeros((0,), w.dtype))
 
 
-def _low_precision_head_bwd(tied, residuals, g):
+def _head_with_backward_bwd(tied, residuals, g):
   hidden, w, w_dtype = residuals
   g = g.astype(hidden.dtype)
   f32 = jnp.float32
   dh = jnp.einsum("...v,vd->...d" if tied else "...v,dv->...d", g, w, preferred_element_type=f32)
   g2, h2 = g.reshape(-1, g.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
   # Products on row-major operands, which XLA's CPU backend multiplies in bf16 (low_precision).
-  if tied:
-    dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)
-  else:
+  if not tied:
     dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)
+  elif _transposed_weight_gradient(hidden, w):
+    # The barrier keeps XLA from folding the transpose into the product's output layout: a bf16
+    # product with a transposed output, which its CPU backend plans but then cannot run.
+    dw_t = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)
+    dw = jax.lax.optimization_barrier(dw_t).T
+  else:
+    dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)
   return dh.astype(hidden.dtype), dw.astype(w_dtype.dtype), None
 
 
-_low_precision_head.defvjp(_low_precision_head_fwd, _low_precision_head_bwd)
+_head_with_backward.defvjp(_head_with_backward_fwd, _head_with_backward_bwd)
 
 
 # --------------------------------------------------------------------------------------------
