@@ -49,9 +49,13 @@ BLOCK_SIZE = 512  # blockwise tile (queries and keys) on GPU / TPU; CPU: `block_
 # CPU blockwise tile: about a quarter of the sequence, within these bounds. Measured with
 # benchmarks/attention.py (forward + backward, 2 cores): at 256 tokens 64-token tiles take about
 # half the time of one 256-token tile (causal block skipping, and blocks that stay in cache);
-# from ~1,024 tokens on, 256-token tiles beat both 512 (more wasted work above the diagonal) and
-# 64-128 (per-tile loop overhead).
-CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 256
+# at ~1,024 tokens 256-token tiles beat both 512 (more wasted work above the diagonal) and
+# 64-128 (per-tile loop overhead). Longer, 512-token tiles (XLA's CPU matmuls run these small
+# products well below their large-matrix rate, better the larger they are): one layer at
+# 1 x 4,096 / 8,192 tokens 0.92x / 0.85x the time of 256-token tiles, about even at 2,048; the
+# small Qwen2 shape's update step of benchmarks/train_step.py in one process 0.954x the time at
+# 1 x 4,096, 0.976x at 1 x 2,048 (Intel VM).
+CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 512
 # CPU, up to this many tokens: "auto" runs blockwise's query tiles as straight-line code, each
 # tile against its whole key prefix in one product (`_unrolled_forward`): no loops, dynamic
 # slices or online rescaling, and larger matmuls. One layer's forward + backward

@@ -111,7 +111,8 @@ def test_cpu_blockwise_tiles_follow_the_length_and_equal_dense():
   64-token tiles, the last one ragged, run unrolled, and the result equals dense in output and
   gradients."""
   bs = attn.block_size
-  assert [bs(t, "cpu") for t in (129, 256, 300, 512, 1024, 4096)] == [64, 64, 64, 128, 256, 256]
+  cpu = [bs(t, "cpu") for t in (129, 256, 300, 512, 1024, 2048, 4096, 16384)]
+  assert cpu == [64, 64, 64, 128, 256, 512, 512, 512]
   assert bs(4096, "tpu") == bs(4096, "gpu") == attn.BLOCK_SIZE
   assert attn._tile(300, bs(300, "cpu")) == (64, 5)
   (q, k, v, mask, w), want = _case(B=2, T=300, seed=7)
