@@ -5,7 +5,7 @@ One prepared run for a GPU (or TPU) session, on whatever backend jax finds:
   python benchmarks/gpu_train_step.py                         # Qwen2.5-0.5B shape, bf16,
                                                               # remat attention and dots
   python benchmarks/gpu_train_step.py --variants dots/auto,dots/auto/unroll --batch 16 \
-    --long 8192,16384,32768                                   # the README's H200 figures
+    --long 8192,16384,32768                                   # docs/performance.md's H200 figures
   python benchmarks/gpu_train_step.py --variants dots/auto/unroll,dots/auto/unroll/one,\
 dots/auto/unroll/c512 --batch 16 --long ''                  # the head: chunks or one piece
   python benchmarks/gpu_train_step.py --arch tiny --batch 2 --length 128 --long 256 --steps 2

@@ -36,7 +36,7 @@ REMAT_POLICIES = {
 }
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)  # = ModelConfig.remat's values
 # remat "auto" on CPU: no remat, layers unrolled, while the update's activations without remat
-# (`no_remat_bytes`) stay within this; measured in README "Performance" (Rematerialisation).
+# (`no_remat_bytes`) stay within this; measured in docs/performance.md (Rematerialisation).
 CPU_NO_REMAT_MAX_BYTES = 1 << 30
 
 
@@ -70,7 +70,7 @@ class ModelConfig:
   attention: str = "auto"
   # The decoder layers as one scanned layer (compiles once, however deep the model) or unrolled
   # (each layer compiled separately: twice the compile time of Qwen2.5-0.5B's 24 layers on an
-  # H200, and a 0.93x update step there; README "Performance").
+  # H200, and a 0.93x update step there; docs/performance.md).
   scan_layers: bool = True
   # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char
   # architectures use a larger one, without which attention stays uniform for hundreds of steps.

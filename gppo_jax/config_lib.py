@@ -132,11 +132,11 @@ def base(
   c.model.remat = "auto"
   c.model.attention = "auto"
   # The decoder layers scanned (one compiled layer) or unrolled: on an H200 unrolled took 0.93x
-  # the update step's time for twice its compile time (README "Performance").
+  # the update step's time for twice its compile time (docs/performance.md).
   c.model.scan_layers = True
   # Which kernels run the update's matrix products on CPU (sharding.CPU_MATMULS): "auto" = XLA's
   # own up to hidden size 128, where they beat the YNNPACK library XLA picks by default;
-  # "xla"; "ynnpack" (XLA's default). No effect on GPU and TPU. README "Performance".
+  # "xla"; "ynnpack" (XLA's default). No effect on GPU and TPU. docs/performance.md.
   c.model.cpu_matmul = "auto"
   c.model.export_hf = False  # also write a Hugging Face folder at the end of training
 

@@ -324,7 +324,7 @@ def keep_cpu_memory() -> bool:
   Here the calls run on the calling thread (synchronous dispatch; the trainer waits for each
   result anyway) and glibc serves large blocks from its main heap and keeps freed memory for
   reuse (mallopt M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2^31 - 1). That update took 0.87x-0.90x the
-  time, the small shape's 0.86x (README "Performance"). The price: freed memory stays with the
+  time, the small shape's 0.86x (docs/performance.md). The price: freed memory stays with the
   process (up to 2 GiB of it at the heap's top) instead of going back to the system.
 
   Process-wide, so only the commands call it (train, evaluate, benchmarks/train_step.py,

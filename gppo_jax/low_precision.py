@@ -28,7 +28,7 @@ def applies(x: jax.Array) -> bool:
   """x is 16-bit and traced for one CPU device: the case the helpers below change. Not across a
   mesh (an ambient mesh of more than one device, as the sharded jits set): there XLA's
   partitioner would gather whole arrays to join halves split over devices (the 7B memory plan
-  of README "Performance" grew sevenfold), and the planner stands CPU devices in for other chips."""
+  of docs/performance.md grew sevenfold), and the planner stands CPU devices in for other chips."""
   return jnp.dtype(x.dtype).itemsize == 2 and one_cpu_device()
 
 

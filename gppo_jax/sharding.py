@@ -268,8 +268,8 @@ def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
 # Which kernels run the update's matrix products on CPU (config `model.cpu_matmul`). XLA's CPU
 # backend hands plain dots to the YNNPACK library by default; on the narrow matrices of a small
 # model's update (the default run's [656, 64] x [64, 192]) XLA's own kernels took half the time
-# and the whole update 0.85x-0.91x, on the 512-wide "small" shape 1.04x-1.17x (README
-# "Performance"). The sampler keeps the default: its batched decode products ran 2x slower on
+# and the whole update 0.85x-0.91x, on the 512-wide "small" shape 1.04x-1.17x (docs/
+# performance.md). The sampler keeps the default: its batched decode products ran 2x slower on
 # XLA's kernels.
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 CPU_XLA_MATMUL_MAX_HIDDEN = 128  # "auto": XLA's own kernels up to this hidden size
