@@ -619,13 +619,12 @@ def _head_with_backward_bwd(tied, residuals, g):
   dh = jnp.einsum("...v,vd->...d" if tied else "...v,dv->...d", g, w, preferred_element_type=f32)
   g2, h2 = g.reshape(-1, g.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
   # Products on row-major operands, which XLA's CPU backend multiplies in bf16 (low_precision).
-  if not tied:
-    dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)
-  elif _transposed_weight_gradient(hidden, w):
-    # The barrier keeps XLA from folding the transpose into the product's output layout: a bf16
-    # product with a transposed output, which its CPU backend plans but then cannot run.
-    dw_t = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)
-    dw = jax.lax.optimization_barrier(dw_t).T
+  if not tied or _transposed_weight_gradient(hidden, w):
+    dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)  # [D, V]
+    if tied:
+      # The barrier keeps XLA from folding the transpose into the product's output layout: a
+      # bf16 product with a transposed output, which its CPU backend plans but cannot run.
+      dw = jax.lax.optimization_barrier(dw).T
   else:
     dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)
   return dh.astype(hidden.dtype), dw.astype(w_dtype.dtype), None
