@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gppo_jax import attention  # noqa: E402
+from gppo_jax.models import attention
 
 SHAPES = "16x256x4x2x32,8x256x8x4x64,4x512x8x4x64,2x1024x8x4x64,1x2048x8x4x64"
 DENSE_MAX_T = 1024  # dense's [T, T] scores per head: skipped beyond this length

@@ -17,7 +17,7 @@ token by token), and the predicted ratio of the second moments is
 the mean of mu^2 under the distribution w of MC's second moment over actions: between the
 smallest and the largest mu(a)^2 with f(r(a)) != 0, and small when rare actions carry MC's
 second moment. The script draws random (mu, pi) pairs per vocabulary size, samples tokens from
-mu, evaluates both estimators with gppo_jax.estimators (float32) and prints, per divergence and
+mu, evaluates both estimators with algorithm.estimators (float32) and prints, per divergence and
 vocabulary size: the predicted ratio, the measured one (sample second moments of the same
 tokens), their agreement, E_mu[mu] (mu^2 averaged the naive way, for contrast) and the share of
 MC's second moment that comes from rare actions (mu < 0.01).
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gppo_jax import divergences, estimators  # noqa: E402
+from gppo_jax.algorithm import divergences, estimators
 
 DIVS = ("tv", "kl", "hellinger", "chi2")
 VOCABS = (2, 16, 256, 4096, 32768)

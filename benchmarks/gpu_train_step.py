@@ -19,7 +19,7 @@ dots/auto/unroll/c512 --batch 16 --long ''                  # the head: chunks o
    and `model.remat`, the chunked log-prob head on the response tokens, the KL-Atomic loss,
    gradient clipping, AdamW; jitted, state donated) takes `--steps` optimizer steps on a fixed
    batch of `--batch` x `--length` tokens (the last `--length - --prompt` carry the loss) of a
-   named architecture (`--arch`, gppo_jax/architectures.py) with random weights. Compute dtype
+   named architecture (`--arch`, models/architectures.py) with random weights. Compute dtype
    `--dtype` (bf16), parameters and optimizer state in `--param-dtype` (float32: the usual mixed
    precision). Per variant remat/attention[/scan|unroll[/head]] (`model.remat`,
    `model.attention`, `model.scan_layers`, and how the log-prob head walks the response:
@@ -63,8 +63,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import architectures, attention, objective, plan, train_step  # noqa: E402
-from gppo_jax import model as model_lib  # noqa: E402
+from gppo_jax import plan
+from gppo_jax.algorithm import objective
+from gppo_jax.models import architectures, attention
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import train_step
 
 GIB = 2**30
 

@@ -157,7 +157,8 @@ def main(argv) -> None:
     if flags.FLAGS.iterations < 2 or flags.FLAGS.pairs < 1:
       raise SystemExit("--against needs --iterations >= 2 and --pairs >= 1")
     return compare(flags.FLAGS.against, flags.FLAGS.pairs, flags.FLAGS.iterations, flags.FLAGS.out)
-  from gppo_jax import experiment, train
+  from gppo_jax import train
+  from gppo_jax.trainer import experiment
 
   experiment.keep_cpu_memory()  # as `python -m gppo_jax.train` runs
   experiment.quiet_libraries(flags.FLAGS)

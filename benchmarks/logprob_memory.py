@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gppo_jax.model import chunked_logprob_stats  # noqa: E402
+from gppo_jax.models.model import chunked_logprob_stats  # noqa: E402
 
 
 def naive_loss(h, w, targets, weights, temperature):

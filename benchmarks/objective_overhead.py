@@ -4,7 +4,7 @@ A jitted loss+grad step through a transformer-sized tail: hidden states [N, D] -
 unembedding [D, V] -> log-softmax -> gather of the sampled tokens -> loss, gradient with respect to
 the unembedding. The baseline is the standard hand-written PPO clip loss
 -min(r A, clip(r, 1 - eps, 1 + eps) A), token-mean; the contenders are the 12 grid cells
-(tv/kl/hellinger/chi2 x mc/binary/atomic) through `gppo_jax.objective.policy_loss` at the default
+(tv/kl/hellinger/chi2 x mc/binary/atomic) through `objective.policy_loss` at the default
 delta f(1 - eps). Everything runs in one process; each round times every variant once in a fresh
 random order, each cell back to back with its own PPO clip run (this machine's speed drifts by
 20-30% within minutes), and each cell's figure is the median over rounds of those pair ratios, with
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gppo_jax import objective, theory  # noqa: E402
+from gppo_jax.algorithm import objective, theory
 
 DIVERGENCES = ("tv", "kl", "hellinger", "chi2")
 ESTIMATORS = ("mc", "binary", "atomic")

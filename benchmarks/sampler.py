@@ -45,8 +45,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import architectures, experiment, sampler  # noqa: E402
-from gppo_jax import model as model_lib  # noqa: E402
+from gppo_jax.generation import sampler
+from gppo_jax.models import architectures
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import experiment
 
 HF_SHAPE = dict(
   vocab_size=32000,
@@ -71,7 +73,7 @@ def build_models(seed: int):
   hf = Qwen2ForCausalLM._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
   hf.eval()
   try:
-    from gppo_jax import hf_checkpoint
+    from gppo_jax.models import hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
       hf.save_pretrained(tmp)

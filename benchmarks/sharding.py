@@ -28,7 +28,9 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from gppo_jax import architectures, config_lib, plan, sharding, train_step  # noqa: E402
+from gppo_jax import config_lib, plan
+from gppo_jax.models import architectures, sharding
+from gppo_jax.trainer import train_step
 
 
 def main() -> None:

@@ -62,8 +62,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gppo_jax import experiment, hf_checkpoint, objective, sharding, train_step  # noqa: E402
-from gppo_jax import model as model_lib  # noqa: E402
+from gppo_jax.algorithm import objective
+from gppo_jax.models import hf_checkpoint, sharding
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import experiment, train_step
 
 # name -> (HF Qwen2 config fields, batch rows, sequence length)
 SHAPES = {
@@ -121,7 +123,8 @@ def make_batch(shape: str, seed: int = 0) -> train_step.Batch:
 
 def model_flops(shape: str) -> float:
   """Model FLOPs of one update step (forward + backward) on the shape's batch (plan.py)."""
-  from gppo_jax import architectures, plan
+  from gppo_jax import plan
+  from gppo_jax.models import architectures
 
   fields, rows, T = SHAPES[shape]
   cfg = architectures.config_from_hf(dict(fields, model_type="qwen2"))
@@ -250,7 +253,7 @@ def _best_gflops(product, n: int, repeats: int) -> float:
 def update_memory(shape: str, variants: list[str], lengths: list[int], dtype="float32") -> dict:
   """GiB of temporaries XLA's memory analysis reports for one update (compiled, never run) of
   the shape's model on one sequence of each length, per variant (`variant_update`)."""
-  from gppo_jax import architectures
+  from gppo_jax.models import architectures
 
   fields, _, _ = SHAPES[shape]
   hf = dict(fields, model_type="qwen2", max_position_embeddings=max(lengths) + 1)

@@ -1,4 +1,4 @@
-"""DAPO as a GPPO cell (settings: gppo_jax/presets.py, docs/math.md#reductions).
+"""DAPO as a GPPO cell (settings: gppo_jax/algorithm/presets.py, docs/math.md#reductions).
 
 python -m gppo_jax.train --config=configs/dapo.py[:smoke]
 

@@ -1,4 +1,4 @@
-"""DPPO as a GPPO cell (settings: gppo_jax/presets.py, docs/math.md#reductions).
+"""DPPO as a GPPO cell (settings: gppo_jax/algorithm/presets.py, docs/math.md#reductions).
 
 python -m gppo_jax.train --config=configs/dppo.py[:smoke]
 """

@@ -6,7 +6,7 @@
 The argument: the hardware variant (v5p64 | gpu8; default v5p64), `cell=NAME` (a grid cell such as
 kl_atomic or a preset such as dapo; default kl_atomic) and `smoke`. data.kind is "code": rewards
 are the fraction of tests passed by the response's ```python block, run in the sandbox
-(gppo_jax/sandbox/: needs root and util-linux on every host). Trained on TACO, evaluated on
+(gppo_jax/rewards/sandbox/: needs root and util-linux on every host). Trained on TACO, evaluated on
 LiveCodeBench (release_v5, 2024-08 to 2025-01) and HumanEval+; the files are where
 `python -m gppo_jax.prepare_data NAME --out /data/{train,eval}/NAME.jsonl` writes them.
 """

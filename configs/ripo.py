@@ -1,4 +1,4 @@
-"""RIPO as a GPPO cell (settings: gppo_jax/presets.py, docs/math.md#reductions).
+"""RIPO as a GPPO cell (settings: gppo_jax/algorithm/presets.py, docs/math.md#reductions).
 
 python -m gppo_jax.train --config=configs/ripo.py[:smoke]
 """

@@ -2,7 +2,7 @@
 
 `get_config(arg)` in every config file accepts a comma-separated argument string:
   smoke         a seconds-long run of every stage (tests, first try on a new machine)
-  task=NAME     another built-in task (see gppo_jax.tasks.TASKS)
+  task=NAME     another built-in task (see gppo_jax.data.tasks.TASKS)
 (the real-run configs also take a hardware variant, REAL_RUN_VARIANTS, and `cell=NAME`: a grid
 cell such as kl_atomic or a preset such as dapo, `algorithm`); any other argument is an error.
 Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
@@ -21,7 +21,8 @@ from typing import Any
 
 import ml_collections
 
-from gppo_jax import errors, presets
+from gppo_jax import errors
+from gppo_jax.algorithm import presets
 
 REQUIRED = {
   "task": ("name",),
@@ -82,7 +83,7 @@ def parse_arg(arg: str | None, valid: Mapping[str, bool] = BASE_ARGS) -> dict[st
 
 
 def _task_arg(args: Mapping[str, str]) -> str:
-  from gppo_jax import tasks  # numpy only
+  from gppo_jax.data import tasks
 
   name = args.get("task", "addsub3")
   if name not in tasks.TASKS:
@@ -103,7 +104,7 @@ def base(
   c.log_every = 1
 
   c.task = ml_collections.ConfigDict()
-  # Built-in task (gppo_jax.tasks.TASKS), used when data.train_path is None.
+  # Built-in task (gppo_jax.data.tasks.TASKS), used when data.train_path is None.
   c.task.name = _task_arg(args)
 
   # Real data (JSONL / Parquet files); see README "Data files".
@@ -409,7 +410,7 @@ def _registry_name(field: str, lookup, name) -> None:
 def _check_eval_lists(k: _Checks) -> None:
   """eval.k: an int >= 0 or a list of ints >= 1; eval.seeds: None, an int or a list of distinct
   ints."""
-  from gppo_jax import pass_at_k  # numpy only
+  from gppo_jax.rewards import pass_at_k
 
   try:
     pass_at_k.normalize_ks(k.value("eval.k"))
@@ -428,7 +429,7 @@ def _check_eval_lists(k: _Checks) -> None:
 
 
 def _check_eval_relations(e: ml_collections.ConfigDict) -> None:
-  from gppo_jax import pass_at_k
+  from gppo_jax.rewards import pass_at_k
 
   ks = pass_at_k.normalize_ks(e.k)
   if e.n is not None and ks and max(ks) > e.n:
@@ -455,16 +456,9 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax import (
-    advantages,
-    architectures,
-    divergences,
-    envs,
-    estimators,
-    objective,
-    sharding,
-    tasks,
-  )
+  from gppo_jax.algorithm import advantages, divergences, estimators, objective
+  from gppo_jax.data import envs, tasks
+  from gppo_jax.models import architectures, sharding
 
   _registry_name("loss.divergence", divergences.get, c.loss.divergence)
   _registry_name("loss.estimator", estimators.get, c.loss.estimator)
@@ -528,7 +522,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.number("loss.kl_coef", 0)
   k.number("loss.entropy_coef", 0)
   # Rewards and their shaping.
-  from gppo_jax import math_reward  # no jax: extraction and the worker pool
+  from gppo_jax.rewards import math_reward
 
   k.choice("reward.answer_format", tuple(math_reward.ANSWER_FORMATS))
   k.number("reward.format_coef", 0, note=" (0 = off)")

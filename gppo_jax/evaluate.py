@@ -32,18 +32,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from gppo_jax import (
-  checkpointing,
-  config_lib,
-  experiment,
-  partitioning,
-  pass_at_k,
-  policy_eval,
-  sampler,
-  sharding,
-  train_step,
-)
+from gppo_jax import config_lib
 from gppo_jax.errors import UserError
+from gppo_jax.generation import sampler
+from gppo_jax.models import partitioning, sharding
+from gppo_jax.rewards import pass_at_k
+from gppo_jax.trainer import checkpointing, experiment, policy_eval, train_step
 
 log = logging.getLogger("gppo_jax")
 
@@ -132,7 +126,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
   step = None
   try:
     if kind == "hf":
-      from gppo_jax import hf_checkpoint
+      from gppo_jax.models import hf_checkpoint
 
       model = hf_checkpoint.load_model(path, mesh=mesh, **config_lib.model_overrides(config))
       graphdef, params = nnx.split(model)

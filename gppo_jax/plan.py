@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gppo_jax import architectures, attention, cli, config_lib, errors, sharding, train_step
-from gppo_jax import model as model_lib
+from gppo_jax import cli, config_lib, errors
+from gppo_jax.models import architectures, attention, sharding
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import train_step
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def model_config(config) -> tuple[architectures.ModelConfig, str]:
   overrides = config_lib.model_overrides(config)
   path = config.model.get("path")
   if path and os.path.isfile(os.path.join(path, "config.json")):
-    from gppo_jax import hf_checkpoint
+    from gppo_jax.models import hf_checkpoint
 
     return hf_checkpoint.model_config(path, **overrides), f"{path}/config.json"
   name = config.model.preset
@@ -121,7 +123,7 @@ def rollout_shape(config) -> tuple[int, int, int]:
   r = config.rollout
   n = r.prompts_per_iter * r.group_size
   if config.data.get("train_path") is None and config.model.get("path") is None:
-    from gppo_jax import tasks
+    from gppo_jax.data import tasks
 
     task = tasks.get(config.task.name)
     return n, task.max_prompt_len + 1, min(r.max_new_tokens, task.max_answer_len + 1)

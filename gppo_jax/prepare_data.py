@@ -13,7 +13,7 @@ release's `test*.jsonl` files).
 Each output row is {id, benchmark, prompt, answer | tests, metadata}. `prompt` is the problem
 statement only (the math instruction comes from the config); code prompts say where the program
 reads its input or which function to write, and ask for one ```python block (what
-`gppo_jax.code_reward` extracts). Math gold answers are plain strings without `$...$` or
+`gppo_jax.rewards.code_reward` extracts). Math gold answers are plain strings without `$...$` or
 `\\boxed{}` (integers without leading zeros), and by default every gold is checked with the same
 math-verify parse the trainer applies at load (`MathVerifier.check_golds`), so the file loads.
 
@@ -153,7 +153,7 @@ def gold_answer(value: Any) -> str:
 
 
 def _last_boxed(text: str) -> str | None:
-  from gppo_jax import math_reward
+  from gppo_jax.rewards import math_reward
 
   return math_reward.last_boxed(text)
 
@@ -358,7 +358,7 @@ def _stdio_text(x: Any, what: str) -> str:
 
 
 def io_tests(inputs: Any, outputs: Any, fn_name: Any) -> dict:
-  """{inputs, outputs[, fn_name]} checked against what `gppo_jax.code_reward` runs."""
+  """{inputs, outputs[, fn_name]} checked against what `gppo_jax.rewards.code_reward` runs."""
   if not (isinstance(inputs, list) and isinstance(outputs, list)):
     raise SkipRow("tests have no 'inputs' and 'outputs' lists")
   if not inputs or len(inputs) != len(outputs):
@@ -999,7 +999,7 @@ def main(argv: Sequence[str]) -> None:
   else:
     rows = hub_rows(spec, options)
   if spec.kind == "math" and f.check_answers:
-    from gppo_jax import math_reward
+    from gppo_jax.rewards import math_reward
 
     with math_reward.MathVerifier(num_workers=f.verifier_workers) as verifier:
       out, summary = convert_rows(

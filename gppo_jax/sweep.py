@@ -8,7 +8,7 @@
 
 Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess, --jobs at a time):
   cells   `<divergence>_<estimator>` for tv/kl/hellinger/chi2 x mc/binary/atomic (`grid` = all 12),
-          the presets of gppo_jax/presets.py (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo) with
+          the presets of algorithm/presets.py (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo) with
           their own radii and advantage, and `none`: tv_mc with an infinite radius (importance-
           weighted policy gradient, nothing is ever masked), the baseline a trust region must beat.
   radius  --rules: how a grid cell's delta is calibrated. `f_eps`: delta_f = f(1 - eps) (theory.
@@ -40,7 +40,7 @@ it took 1 h 37 min end to end on 2026-12-02 (1 min 52 s per run on average with 
 
 Folder (--out, default workdirs/sweep): `runs/<cell>__<radius>__s<seed>/` is each run's train
 workdir, with `sweep_run.json` (what it is, its train arguments, exit status and wall time) and
-`train.log`; `runs.csv` has one row per run, `results.md` the statistics (gppo_jax/sweep_stats.py:
+`train.log`; `runs.csv` has one row per run, `results.md` the statistics (research/stats.py:
 means with 95% bootstrap intervals over seeds, paired differences to tv_mc, the paper's summary
 comparisons as relative gains) and `plots/` the PNGs (divergence x estimator heatmap, learning
 curves with interval bands, masked fraction over training). Rerunning the same command reuses every
@@ -68,8 +68,9 @@ from typing import Any
 
 import numpy as np
 
-from gppo_jax import errors, presets
-from gppo_jax.sweep_report import (
+from gppo_jax import errors
+from gppo_jax.algorithm import presets
+from gppo_jax.research.report import (
   GRID,
   INF,
   NONE,
@@ -243,7 +244,7 @@ def equal_tv_delta(divergence: str, tv: float) -> float:
   tv_radius(delta) is the largest V with L_f(V) <= delta, L_f the tight lower bound of D_f by total
   variation (docs/math.md#theory), increasing in V; its inverse is delta = L_f(V). The solve is
   checked back through tv_radius."""
-  from gppo_jax import theory  # jax (float64, compiled once per divergence)
+  from gppo_jax.algorithm import theory
 
   if not 0 < tv < 1:
     raise errors.ConfigError(
@@ -267,7 +268,7 @@ def radii(run: Run, eps: float = 0.2) -> tuple[float, float]:
   if run.rule == "f_eps":
     delta = run.scale * presets.default_delta(divergence, eps)
   else:
-    from gppo_jax import theory
+    from gppo_jax.algorithm import theory
 
     ref_divergence = REFERENCE.split("_")[0]
     tv = float(

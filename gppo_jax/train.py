@@ -9,7 +9,7 @@ off-policy: that is where the trust region acts). The Python loop only logs, eva
 
 Rerunning the same command resumes from the newest readable checkpoint, replaying exactly what an
 uninterrupted run would have done. SIGTERM or Ctrl-C stops the run at the next iteration boundary
-with a checkpoint of the iterations completed (gppo_jax/interrupts.py); a non-finite state is never
+with a checkpoint of the iterations completed (trainer/interrupts.py); a non-finite state is never
 saved; one trainer at a time holds a workdir (experiment.WorkdirLock).
 """
 
@@ -32,16 +32,16 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import (
+from gppo_jax import config_lib
+from gppo_jax.generation import sampler
+from gppo_jax.models import sharding
+from gppo_jax.research import diagnostics
+from gppo_jax.trainer import (
   checkpointing,
-  config_lib,
-  diagnostics,
   experiment,
   interrupts,
   metric_writers,
   rollout,
-  sampler,
-  sharding,
   train_step,
 )
 
@@ -477,7 +477,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
 
 
 def _export_hf(run: Run, state) -> None:
-  from gppo_jax import hf_checkpoint
+  from gppo_jax.models import hf_checkpoint
 
   params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
   if jax.process_index() == 0:

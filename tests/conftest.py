@@ -136,7 +136,7 @@ def policy():
   import numpy as np
   from flax import nnx
 
-  from gppo_jax import architectures, model
+  from gppo_jax.models import architectures, model
 
   cfg = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0))))

@@ -21,7 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from gppo_jax import checkpointing, rollout, sharding, train  # noqa: E402
+from gppo_jax import train
+from gppo_jax.models import sharding
+from gppo_jax.trainer import checkpointing, rollout
 
 PLAN = json.loads(os.environ.get("GPPO_TEST_SIGNALS", "[]"))
 CALLS = {"rollout": 0, "update": 0, "save": 0}

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gppo_jax import advantages
+from gppo_jax.algorithm import advantages
 
 
 def rewards():

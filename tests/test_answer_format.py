@@ -13,8 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from gppo_jax import config_lib, envs, errors
-from gppo_jax import data as data_lib
+from gppo_jax import config_lib, errors
+from gppo_jax.data import envs
+from gppo_jax.data import readers as data_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

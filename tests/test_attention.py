@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, model, sharding
-from gppo_jax import attention as attn
+from gppo_jax.models import architectures, model, sharding
+from gppo_jax.models import attention as attn
 
 # cuDNN runs only on a GPU; elsewhere its wrapper (the rotation to right padding and the
 # sequence-length mask) is checked through the same call with XLA's implementation.
@@ -391,7 +391,8 @@ def test_blockwise_gradient_memory_is_linear_in_length():
 
 
 def test_config_model_fields_reach_the_model_config():
-  from gppo_jax import config_lib, experiment
+  from gppo_jax import config_lib
+  from gppo_jax.trainer import experiment
 
   c = config_lib.base("smoke")
   c.model.attention, c.model.remat = "blockwise", "dots"

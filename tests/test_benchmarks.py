@@ -111,7 +111,8 @@ def test_train_step_dtype_sets_both_sides_compute(tmp_path):
   import jax
   import torch
 
-  from gppo_jax import architectures, train_step
+  from gppo_jax.models import architectures
+  from gppo_jax.trainer import train_step
 
   bench = _load("train_step.py")
   cfg = architectures.config_from_hf(dict(bench.SHAPES["tiny"][0], model_type="qwen2"))
@@ -181,7 +182,7 @@ def test_gpu_benchmark_head_field_sets_how_the_head_walks_the_response():
   import jax
   import jax.numpy as jnp
 
-  from gppo_jax import model as model_lib
+  from gppo_jax.models import model as model_lib
 
   gpu = _load("gpu_train_step.py")
   B, T, D, V = 2, 256, 8, 1024  # 2 MiB of float32 logits: one piece by the model's rule

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from gppo_jax import code_reward as cr
-from gppo_jax.sandbox import Sandbox, SandboxConfig, Status
+from gppo_jax.rewards import code_reward as cr
+from gppo_jax.rewards.sandbox import Sandbox, SandboxConfig, Status
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="the isolated sandbox needs root")

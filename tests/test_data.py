@@ -1,4 +1,4 @@
-"""Tests for gppo_jax.data: reading, row errors, rendering, filtering, resumable iteration."""
+"""Tests for data.readers: reading, row errors, rendering, filtering, resumable iteration."""
 
 import json
 import logging
@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gppo_jax import data
-from gppo_jax.data import DataError, Fields, PromptIterator, load_dataset
+from gppo_jax.data import readers as data
+from gppo_jax.data.readers import DataError, Fields, PromptIterator, load_dataset
 
 
 def template(messages):
@@ -153,7 +153,7 @@ def test_code_tests_field(tmp_path):
 def test_length_filter_logs_dropped_count(tmp_path, caplog):
   rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 30, 5)]
   path = write_jsonl(tmp_path / "len.jsonl", rows)
-  with caplog.at_level(logging.INFO, logger="gppo_jax.data"):
+  with caplog.at_level(logging.INFO, logger="gppo_jax.data.readers"):
     ds = load_dataset(path, encode=encode, max_prompt_tokens=10)
   assert [len(e.token_ids) for e in ds.examples] == [3, 10, 5]
   assert ds.num_dropped_too_long == 1 and ds.num_rows == 4

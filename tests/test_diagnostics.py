@@ -1,4 +1,4 @@
-"""Estimator diagnostics (gppo_jax/diagnostics.py, docs/math.md#diagnostics): the exact divergence
+"""Estimator diagnostics (research/diagnostics.py, docs/math.md#diagnostics): the exact divergence
 against numpy, MC's unbiasedness, mask agreement, the q buckets, chunking, the model path and
 the plot command."""
 
@@ -14,8 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from gppo_jax import diagnostics as dg
-from gppo_jax import estimators, metric_writers, objective
+from gppo_jax.algorithm import estimators, objective
+from gppo_jax.research import diagnostics as dg
+from gppo_jax.trainer import metric_writers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compiled once per input structure: op-by-op dispatch of its many small reductions is slower.
@@ -232,8 +233,8 @@ def test_masked_fractions_are_the_losses(loss):
 def tiny_policy_batch(n=8, prompt_len=5, resp_len=6, k=4, seed=0):
   from flax import nnx
 
-  from gppo_jax import architectures
-  from gppo_jax import model as model_lib
+  from gppo_jax.models import architectures
+  from gppo_jax.models import model as model_lib
 
   cfg = architectures.get("char-tiny", vocab_size=32)
   graphdef, params = nnx.split(model_lib.create(cfg, seed=seed))
@@ -359,7 +360,7 @@ def test_plot_command_line(tmp_path, capsys):
   fake_metrics(tmp_path / "metrics.jsonl")
   env = {**os.environ, "PYTHONPATH": REPO}
   ok = subprocess.run(
-    [sys.executable, "-m", "gppo_jax.diagnostics", "plot", str(tmp_path)],
+    [sys.executable, "-m", "gppo_jax.research.diagnostics", "plot", str(tmp_path)],
     capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
   )  # fmt: skip
   assert ok.returncode == 0, ok.stderr

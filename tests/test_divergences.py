@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
-from gppo_jax import estimators, objective
+from gppo_jax.algorithm import estimators, objective
 
 PAPER_DIVS = ("tv", "kl", "hellinger", "chi2")
 DIVS = PAPER_DIVS + ("forward_kl", "js", "alpha:0.5")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from gppo_jax import divergences, estimators
+from gppo_jax.algorithm import divergences, estimators
 
 PAPER_DIVS = ("tv", "kl", "hellinger", "chi2")
 ALL_DIVS = PAPER_DIVS + ("forward_kl", "js", "alpha:0.5", "alpha:2", "alpha:-1")

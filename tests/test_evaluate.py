@@ -13,7 +13,9 @@ import conftest
 import jax
 import pytest
 
-from gppo_jax import config_lib, envs, errors, evaluate, presets
+from gppo_jax import config_lib, errors, evaluate
+from gppo_jax.algorithm import presets
+from gppo_jax.data import envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,8 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from gppo_jax import architectures, errors, hf_checkpoint, model, tokenizer
+from gppo_jax import errors
+from gppo_jax.models import architectures, hf_checkpoint, model, tokenizer
 
 torch.manual_seed(0)
 
@@ -336,7 +337,7 @@ def test_export_copies_tokenizer_and_load_pretrained(tokenizer_dir, tmp_path):
 
 
 def test_load_onto_mesh_shards_parameters_and_keeps_logits(llama_dir):
-  from gppo_jax import partitioning
+  from gppo_jax.models import partitioning
 
   auto = (jax.sharding.AxisType.Auto,) * 3
   mesh = jax.make_mesh((2, 2, 2), partitioning.MESH_AXES, axis_types=auto)

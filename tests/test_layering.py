@@ -1,7 +1,8 @@
-"""The package's import graph: every import points down the documented layers, and no cycles.
+"""The package's import graph: every import points down the layers, and no cycles.
 
 Read from the source (every `import` statement, including those inside functions), so a lazy
-import cannot hide an upward dependency. The layers are the README's "Layout" section.
+import cannot hide an upward dependency. The layers are the folders of docs/architecture.md:
+a folder (or top-level module) imports only from its own layer or the layers listed before it.
 """
 
 import ast
@@ -11,88 +12,74 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "gppo_jax")
 
 LAYERS = [
-  ("errors", {"errors", "registry"}),
-  (
-    "math",
-    {"divergences", "estimators", "objective", "theory", "advantages", "presets", "sweep_stats"},
-  ),
-  (
-    "model",
-    {
-      "architectures",
-      "attention",
-      "low_precision",
-      "model",
-      "partitioning",
-      "sharding",
-      "sampler",
-      "tokenizer",
-      "hf_checkpoint",
-    },
-  ),
-  (
-    "rewards and data",
-    {"tasks", "math_reward", "sandbox", "code_reward", "data", "pass_at_k"},
-  ),
-  (
-    "shell",
-    {
-      "envs",
-      "train_step",
-      "policy_eval",
-      "rollout",
-      "warmstart",
-      "checkpointing",
-      "metric_writers",
-      "interrupts",
-      "config_lib",
-      "experiment",
-      "cli",
-      "diagnostics",
-    },
-  ),
-  ("entry points", {"train", "evaluate", "plan", "prepare_data", "sweep", "sweep_report"}),
+  ("foundations", {"errors", "registry", "cli", "_moved"}),
+  ("algorithm", {"algorithm"}),
+  ("models", {"models"}),
+  ("generation", {"generation"}),
+  ("rewards", {"rewards"}),
+  ("data", {"data"}),
+  ("config", {"config_lib"}),
+  ("trainer", {"trainer"}),
+  ("research", {"research"}),
+  ("entry points", {"train", "evaluate", "plan", "prepare_data", "sweep"}),
 ]
 
 
+def _imports(path: str, module: str) -> set[str]:
+  """The package modules (dotted, without `gppo_jax.`) that the file at `path` imports."""
+  package = module.rsplit(".", 1)[0] if "." in module else ""
+  deps = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.ImportFrom) and node.level > 0:
+      base = package.split(".")[: len(package.split(".")) - node.level + 1]
+      deps.add(".".join(p for p in [*base, node.module or ""] if p))
+    elif isinstance(node, ast.ImportFrom) and node.module == "gppo_jax":
+      deps |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gppo_jax."):
+      sub = node.module[len("gppo_jax.") :]
+      # `from gppo_jax.models import model` imports the module models.model
+      for a in node.names:
+        is_module = os.path.exists(os.path.join(PACKAGE, *sub.split("."), a.name + ".py"))
+        deps.add(f"{sub}.{a.name}" if is_module else sub)
+    elif isinstance(node, ast.Import):
+      deps |= {a.name[len("gppo_jax.") :] for a in node.names if a.name.startswith("gppo_jax.")}
+  return {d for d in deps if d and d != "__version__"}
+
+
 def modules() -> dict[str, set[str]]:
-  """{module: the package modules it imports}; a subpackage counts as its top-level name."""
+  """{dotted module: the package modules it imports}, for every file of the package."""
   graph = {}
   for root, _, files in os.walk(PACKAGE):
-    for name in files:
-      if not name.endswith(".py"):
-        continue
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, PACKAGE)[:-3].split(os.sep)
-      mod = rel[0] if rel[-1] != "__init__" or len(rel) > 1 else "__init__"
-      deps = set()
-      for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-          if node.module == "gppo_jax":
-            deps |= {a.name for a in node.names}
-          elif node.module.startswith("gppo_jax."):
-            deps.add(node.module.split(".")[1])
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:
-          deps.add(mod)  # relative imports stay inside a subpackage
-        elif isinstance(node, ast.Import):
-          deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("gppo_jax.")}
-      graph.setdefault(mod, set()).update(deps - {mod})
-  graph.pop("__init__", None)
+    for name in sorted(files):
+      if name.endswith(".py"):
+        rel = os.path.relpath(os.path.join(root, name), PACKAGE)[:-3].split(os.sep)
+        if rel[-1] == "__init__":
+          rel = rel[:-1]
+        if rel:
+          module = ".".join(rel)
+          graph[module] = _imports(os.path.join(root, name), module) - {module}
   return graph
 
 
+def _layer(module: str) -> int:
+  top = module.split(".")[0]
+  for i, (_, members) in enumerate(LAYERS):
+    if top in members:
+      return i
+  raise AssertionError(f"{module}: add gppo_jax/{top} to LAYERS (and docs/architecture.md)")
+
+
 def test_every_module_is_in_a_layer():
-  placed = set().union(*(mods for _, mods in LAYERS))
-  assert set(modules()) == placed, "add new modules to LAYERS (and the README's Layout)"
+  for m in modules():
+    _layer(m)
 
 
 def test_imports_point_down_only():
-  level = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
   upward = [
-    f"{m} ({LAYERS[level[m]][0]}) imports {d} ({LAYERS[level[d]][0]})"
+    f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
     for m, deps in modules().items()
     for d in deps
-    if level[d] > level[m]
+    if _layer(d) > _layer(m)
   ]
   assert not upward, upward
 
@@ -105,6 +92,8 @@ def test_no_import_cycles():
   def visit(m, path):
     state[m] = 1
     for d in sorted(graph.get(m, ())):
+      if d not in graph:
+        continue
       if state.get(d) == 1:
         cycles.append(path[path.index(d) :] + [d] if d in path else [m, d])
       elif d not in state:
@@ -117,9 +106,36 @@ def test_no_import_cycles():
   assert not cycles, cycles
 
 
-def test_the_math_imports_no_model_config_or_io():
-  math = LAYERS[1][1]
-  for m in math:
-    source = open(os.path.join(PACKAGE, m + ".py")).read()
+def _sources(folder: str):
+  for root, _, files in os.walk(os.path.join(PACKAGE, folder)):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(root, name)
+        yield os.path.relpath(path, PACKAGE), open(path).read()
+
+
+def test_the_algorithm_imports_no_model_config_or_io():
+  for name, source in _sources("algorithm"):
     for banned in ("flax", "orbax", "ml_collections", "open("):
-      assert banned not in source, f"{m} uses {banned}"
+      assert banned not in source, f"{name} uses {banned}"
+
+
+def test_rewards_and_data_run_without_jax():
+  # Reward workers and data preparation run in processes that never import JAX.
+  for folder in ("rewards", "data"):
+    for name, source in _sources(folder):
+      tree = ast.parse(source)
+      imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+      }
+      imported |= {
+        (n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+      }
+      assert not imported & {"jax", "flax", "optax", "orbax"}, f"{name} imports JAX"
+
+
+def test_the_graph_resolves_submodules():
+  # The rules above would pass vacuously if the graph came back empty or folder-blind.
+  graph = modules()
+  assert "trainer.train_step" in graph and "algorithm.objective" in graph["trainer.train_step"]
+  assert _layer("algorithm.objective") < _layer("trainer.train_step")

@@ -16,7 +16,10 @@ import optax
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, attention, config_lib, errors, model, objective, train_step
+from gppo_jax import config_lib, errors
+from gppo_jax.algorithm import objective
+from gppo_jax.models import architectures, attention, model
+from gppo_jax.trainer import train_step
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 G, P, R = 4, 6, 5  # group size, prompt slots, response slots
@@ -298,7 +301,8 @@ def test_trimmed_update_equals_the_full_one(state, group_size):
 
 
 def test_trainer_warns_when_groups_do_not_split_over_the_devices(caplog):
-  from gppo_jax import sharding, train
+  from gppo_jax import train
+  from gppo_jax.models import sharding
 
   c = config_lib.base()
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})  # the 8 simulated devices

@@ -20,8 +20,12 @@ import optax
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, config_lib, errors, objective, sampler, train, train_step
-from gppo_jax import model as model_lib
+from gppo_jax import config_lib, errors, train
+from gppo_jax.algorithm import objective
+from gppo_jax.generation import sampler
+from gppo_jax.models import architectures
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17], [20, 21]]
@@ -264,7 +268,7 @@ def test_truncate_to_kept_matches_numpy_with_finite_gradients():
 def test_diagnostics_compare_the_policies_renormalised_over_the_kept_set():
   """diag/* in "sampled" mode: log-probs, entropies and the exact KL(mu_S || pi_S) of the two
   policies restricted to each kept set (the full vocabulary where the set is empty)."""
-  from gppo_jax import diagnostics
+  from gppo_jax.research import diagnostics
 
   rng = np.random.default_rng(1)
   V = 7
@@ -291,7 +295,7 @@ def test_diagnostics_compare_the_policies_renormalised_over_the_kept_set():
 def test_mesh_sampler_records_the_same_kept_sets(model):
   """The sharded sampler (8 CPU devices, the rollout path) returns the kept ids of the
   single-device one."""
-  from gppo_jax import partitioning, sharding
+  from gppo_jax.models import partitioning, sharding
 
   graphdef, params = nnx.split(model)
   mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})

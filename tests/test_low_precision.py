@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, attention, low_precision, model, objective, sharding, train_step
+from gppo_jax.algorithm import objective
+from gppo_jax.models import architectures, attention, low_precision, model, sharding
+from gppo_jax.trainer import train_step
 
 
 def _compiled_dot_operands(fn, *args) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Tests for gppo_jax.math_reward: strict extraction, golden pairs, timeouts, pool hygiene."""
+"""Tests for rewards.math_reward: strict extraction, golden pairs, timeouts, pool hygiene."""
 
 import json
 import os
@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from gppo_jax import data, math_reward
-from gppo_jax.math_reward import (
+from gppo_jax.data import readers as data
+from gppo_jax.rewards import math_reward
+from gppo_jax.rewards.math_reward import (
   BAD_GOLD,
   NO_ANSWER,
   OK,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, attention, errors, low_precision, model, partitioning
+from gppo_jax import errors
+from gppo_jax.models import architectures, attention, low_precision, model, partitioning
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from gppo_jax import config_lib, divergences, estimators, objective, presets
+from gppo_jax import config_lib
+from gppo_jax.algorithm import divergences, estimators, objective, presets
 
 B, T = 8, 24
 

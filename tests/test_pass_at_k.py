@@ -1,4 +1,4 @@
-"""Tests for gppo_jax.pass_at_k against brute-force enumeration and exact combinatorics."""
+"""Tests for gppo_jax.rewards.pass_at_k against brute-force enumeration and exact combinatorics."""
 
 import dataclasses
 import itertools
@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from gppo_jax.pass_at_k import (
+from gppo_jax.rewards.pass_at_k import (
   avg_at_n,
   estimate,
   make_report,

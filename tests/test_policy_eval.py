@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, config_lib, errors, experiment, policy_eval
-from gppo_jax import model as model_lib
-from gppo_jax.envs import Prompt
+from gppo_jax import config_lib, errors
+from gppo_jax.data.envs import Prompt
+from gppo_jax.models import architectures
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import experiment, policy_eval
 
 P = 5  # prompt tokens
 

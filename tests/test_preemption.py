@@ -20,7 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from gppo_jax import checkpointing, experiment, metric_writers, train
+from gppo_jax import train
+from gppo_jax.trainer import checkpointing, experiment, metric_writers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(REPO, "tests", "preemption_child.py")

@@ -16,9 +16,9 @@ import zlib
 
 import pytest
 
-from gppo_jax import data as data_lib
 from gppo_jax import errors
 from gppo_jax import prepare_data as pd
+from gppo_jax.data import readers as data_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "prepare_data")
@@ -449,8 +449,8 @@ def test_cli_unknown_name_and_bad_flags_are_one_line_errors(tmp_path):
 
 @pytest.mark.skipif(not ROOT, reason="the isolated sandbox needs root")
 def test_converted_code_tests_run_in_the_sandbox():
-  from gppo_jax import code_reward as cr
-  from gppo_jax.sandbox import Sandbox, SandboxConfig
+  from gppo_jax.rewards import code_reward as cr
+  from gppo_jax.rewards.sandbox import Sandbox, SandboxConfig
 
   rows = by_id(convert("livecodebench", "livecodebench", lcb_options())[0])
   rows.update(by_id(convert("taco", "taco.jsonl")[0]))

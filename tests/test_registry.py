@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gppo_jax import advantages, divergences, errors, estimators, presets, registry
+from gppo_jax import errors, registry
+from gppo_jax.algorithm import advantages, divergences, estimators, presets
 
 
 def test_register_get_names_and_errors():

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from gppo_jax import config_lib, rollout, sampler
-from gppo_jax.envs import Prompt
+from gppo_jax import config_lib
+from gppo_jax.data.envs import Prompt
+from gppo_jax.generation import sampler
+from gppo_jax.trainer import rollout
 
 R = 4  # response slots
 STOP = 1

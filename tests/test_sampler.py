@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import architectures, sampler
-from gppo_jax import model as model_lib
+from gppo_jax.generation import sampler
+from gppo_jax.models import architectures
+from gppo_jax.models import model as model_lib
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17]]  # left-padded to P = 8
 N = 12
@@ -501,7 +502,7 @@ def test_mesh_sampler_shares_prefill_and_compiles_once(model, mesh_shape, monkey
   groups cut to fit a batch shard; new prompts and keys of the same layout trace nothing new."""
   import chex
 
-  from gppo_jax import partitioning, sharding
+  from gppo_jax.models import partitioning, sharding
 
   graphdef, params = nnx.split(model)
   mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, mesh_shape, strict=True)))

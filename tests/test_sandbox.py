@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from gppo_jax import sandbox as sbx
-from gppo_jax.sandbox import (
+from gppo_jax.rewards import sandbox as sbx
+from gppo_jax.rewards.sandbox import (
   CallCase,
   Job,
   Sandbox,

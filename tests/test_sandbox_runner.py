@@ -19,7 +19,16 @@ import time
 
 import pytest
 
-from gppo_jax.sandbox import CallCase, Job, Sandbox, SandboxConfig, Status, StdioCase, host, runner
+from gppo_jax.rewards.sandbox import (
+  CallCase,
+  Job,
+  Sandbox,
+  SandboxConfig,
+  Status,
+  StdioCase,
+  host,
+  runner,
+)
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="the isolated sandbox needs root")
@@ -425,7 +434,7 @@ def test_infra_errors_are_counted_and_logged(caplog):
     good = s.python
     s.python = "/nonexistent/python3"
     try:
-      with caplog.at_level(logging.WARNING, logger="gppo_jax.sandbox.host"):
+      with caplog.at_level(logging.WARNING, logger="gppo_jax.rewards.sandbox.host"):
         r = s.run(Job.stdio("print(1)", [StdioCase()]))
     finally:
       s.python = good

@@ -17,22 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax import (
-  architectures,
-  attention,
-  checkpointing,
-  config_lib,
-  errors,
-  objective,
-  partitioning,
-  plan,
-  policy_eval,
-  sampler,
-  sharding,
-  train_step,
-)
-from gppo_jax import model as model_lib
-from gppo_jax.envs import Prompt
+from gppo_jax import config_lib, errors, plan
+from gppo_jax.algorithm import objective
+from gppo_jax.data.envs import Prompt
+from gppo_jax.generation import sampler
+from gppo_jax.models import architectures, attention, partitioning, sharding
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import checkpointing, policy_eval, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
@@ -211,7 +202,7 @@ def test_cpu_matmul_falls_back_to_xla_defaults_where_the_jaxlib_lacks_the_option
   monkeypatch.setattr(sharding, "_XLA_MATMUL_OPTIONS", {"xla_cpu_no_such_option": "1"})
   sharding._xla_matmul_options_supported.cache_clear()
   try:
-    with caplog.at_level(logging.WARNING, logger="gppo_jax.sharding"):
+    with caplog.at_level(logging.WARNING, logger="gppo_jax.models.sharding"):
       assert sharding.update_compiler_options("xla", 64, "cpu") is None
     assert "model.cpu_matmul: this jaxlib rejects" in caplog.text
   finally:

@@ -1,4 +1,4 @@
-"""python -m gppo_jax.sweep and gppo_jax.sweep_stats: statistics on known cases, the commands a
+"""python -m gppo_jax.sweep and gppo_jax.research.stats: statistics on known cases, the commands a
 sweep launches, reading run folders back, the outputs, resuming, and one real tiny sweep."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import conftest
 import numpy as np
 import pytest
 
-from gppo_jax import errors, presets, sweep, theory
-from gppo_jax import sweep_report as report
-from gppo_jax import sweep_stats as st
+from gppo_jax import errors, sweep
+from gppo_jax.algorithm import presets, theory
+from gppo_jax.research import report as report
+from gppo_jax.research import stats as st
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

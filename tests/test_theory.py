@@ -1,4 +1,4 @@
-"""Tests of gppo_jax.theory: L_f, tv_radius, quadratic constants, level sets, the CLI."""
+"""Tests of gppo_jax.algorithm.theory: L_f, tv_radius, quadratic constants, level sets, the CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gppo_jax import divergences as divs
-from gppo_jax import estimators as ests
-from gppo_jax import presets
-from gppo_jax import theory as th
+from gppo_jax.algorithm import divergences as divs
+from gppo_jax.algorithm import estimators as ests
+from gppo_jax.algorithm import presets
+from gppo_jax.algorithm import theory as th
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

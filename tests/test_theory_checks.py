@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gppo_jax import theory
+from gppo_jax.algorithm import theory
 
 DIVS = ("tv", "kl", "hellinger", "chi2")
 NP_F = {

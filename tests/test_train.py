@@ -14,8 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from gppo_jax import config_lib, envs, evaluate, experiment, sharding, tasks, train, train_step
+from gppo_jax import config_lib, evaluate, train
+from gppo_jax.data import envs, tasks
 from gppo_jax.errors import UserError
+from gppo_jax.models import sharding
+from gppo_jax.trainer import experiment, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +74,7 @@ def test_bad_configs_raise_clear_errors(tmp_path):
 
 
 def test_malformed_data_file_names_the_line(tmp_path):
-  from gppo_jax import data
+  from gppo_jax.data import readers as data
 
   bad = tmp_path / "train.jsonl"
   bad.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": \n')
@@ -150,8 +153,8 @@ def tiny_policy_and_tokens(n: int, seed: int):
   returns env, graphdef, params, prompts, responses and the rng for further draws."""
   from flax import nnx
 
-  from gppo_jax import architectures
-  from gppo_jax import model as model_lib
+  from gppo_jax.models import architectures
+  from gppo_jax.models import model as model_lib
 
   env = envs.BuiltinEnv("add_rev3", seed=0, eval_size=8)
   cfg = architectures.get("char-tiny", vocab_size=env.tokenizer.vocab_size)
@@ -163,7 +166,7 @@ def tiny_policy_and_tokens(n: int, seed: int):
 
 
 def test_gradient_accumulation_gives_the_same_update():
-  from gppo_jax import objective
+  from gppo_jax.algorithm import objective
 
   n = 16
   env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=0)
@@ -205,7 +208,7 @@ def test_gradient_accumulation_gives_the_same_update():
 def test_trust_region_slows_how_far_one_iteration_moves_the_policy():
   """32 steps on one on-policy batch: with KL-Atomic the policy stays nearer the behaviour
   policy; with an infinite radius (no trust region) it drifts about twice as far."""
-  from gppo_jax import estimators, objective
+  from gppo_jax.algorithm import estimators, objective
 
   n = 32
   env, graphdef, params, p_tok, resp, rng = tiny_policy_and_tokens(n, seed=1)
@@ -498,8 +501,9 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   corrupt one, never stops training."""
   from flax import nnx
 
-  from gppo_jax import architectures, warmstart
-  from gppo_jax import model as model_lib
+  from gppo_jax.models import architectures
+  from gppo_jax.models import model as model_lib
+  from gppo_jax.trainer import warmstart
 
   c = load_config("kl_atomic.py", "smoke,task=add1")
   c.warmstart.cache_dir = str(tmp_path / "cache")

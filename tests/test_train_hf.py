@@ -9,7 +9,8 @@ import numpy as np
 import torch
 import transformers
 
-from gppo_jax import evaluate, hf_checkpoint, train
+from gppo_jax import evaluate, train
+from gppo_jax.models import hf_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHATML = (

@@ -17,19 +17,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gppo_jax import (
-  advantages,
-  cli,
-  config_lib,
-  data,
-  divergences,
-  envs,
-  errors,
-  estimators,
-  hf_checkpoint,
-  tasks,
-  tokenizer,
-)
+from gppo_jax import cli, config_lib, errors
+from gppo_jax.algorithm import advantages, divergences, estimators
+from gppo_jax.data import envs, tasks
+from gppo_jax.data import readers as data
+from gppo_jax.models import hf_checkpoint, tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

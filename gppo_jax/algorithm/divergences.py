@@ -3,7 +3,7 @@
 D_f(pi || mu) = E_{a ~ mu} f(pi(a) / mu(a)), with f(1) = 0 and f'(1) = 0 so that every per-token
 estimate built from f is >= 0 and minimal at ratio 1.
 
-Every estimator in `gppo_jax.estimators` is a sum of *perspective* terms b * f(a / b) for two
+Every estimator in `estimators` is a sum of *perspective* terms b * f(a / b) for two
 probabilities a (under pi) and b (under mu). A `Divergence` therefore carries, besides f itself,
 `perspective(log_a, log_b)`: that term computed from log-probabilities, written per divergence so
 that it stays finite and accurate when b -> 0, a / b -> 1 or both probabilities are close to 1.

@@ -3,7 +3,7 @@
 All estimators take log-probabilities of the sampled token under the current policy (`logp`) and the
 behaviour policy (`logq`) and are elementwise, so they broadcast over leading [batch, token] axes
 exactly like `jax.vmap` of the per-token function. Every estimator is a sum of perspective terms
-b * f(a / b) (see `gppo_jax.divergences`):
+b * f(a / b) (see `gppo_jax.algorithm.divergences`):
 
   mc      f(r)                                    single sample, unbiased, high variance
   binary  q f(p/q) + (1-q) f((1-p)/(1-q))         two outcomes {a_t, rest}; <= D_f
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import divergences as divs
 from gppo_jax import registry
+from gppo_jax.algorithm import divergences as divs
 
 Array = jax.Array
 EstimatorFn = Callable[..., Array]

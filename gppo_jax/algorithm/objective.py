@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import divergences as divs
-from gppo_jax import estimators as ests
+from gppo_jax.algorithm import divergences as divs
+from gppo_jax.algorithm import estimators as ests
 
 Array = jax.Array
 

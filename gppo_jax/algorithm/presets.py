@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 
 from gppo_jax import registry
-from gppo_jax.objective import LossConfig
+from gppo_jax.algorithm.objective import LossConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ def default_delta(divergence: str, eps: float = 0.2) -> float:
   f = f or (_alpha_generator(divergence) if isinstance(divergence, str) else None)
   if f is not None:
     return float(f(1.0 - eps))
-  from gppo_jax import theory  # jax, compiled in float64: only for user generators
+  from gppo_jax.algorithm import theory
 
   return theory.default_delta(divergence, eps)
 

@@ -15,7 +15,7 @@ ratios r = p / q a token may reach before a (divergence, estimator, delta) cell 
 
 Everything here is evaluated in float64 (jax's x64 mode, scoped to these functions) and returned as
 numpy. Generators and estimators are looked up through their registries, so user-registered ones
-work by name. `python -m gppo_jax.theory` prints the constants and writes plots.
+work by name. `python -m gppo_jax.algorithm.theory` prints the constants and writes plots.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gppo_jax import divergences as divs
-from gppo_jax import estimators as ests
+from gppo_jax.algorithm import divergences as divs
+from gppo_jax.algorithm import estimators as ests
 
 ArrayLike = float | Sequence[float] | np.ndarray
 
@@ -263,7 +263,7 @@ def level_set(
 ) -> tuple[float | np.ndarray, float | np.ndarray]:
   """The ratios r = p / q in [r_lo, r_hi] whose per-token estimate stays <= delta, per q.
 
-  The estimate (from `gppo_jax.estimators`, with logp = log(r q), logq = log q) is convex in p with
+  The estimate (from `estimators`, with logp = log(r q), logq = log q) is convex in p with
   its minimum 0 at r = 1, so the set is an interval around 1. r_hi is capped at 1 / q (p <= 1) and
   r_lo is 0 when the estimate stays <= delta down to p = 0 (the estimators' floor e^-80).
   delta and q broadcast; q in (0, 1]. The estimators compute in float32, which limits the
@@ -415,7 +415,7 @@ def plot_lower_bounds(path: str, names: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m gppo_jax.theory",
+    prog="python -m gppo_jax.algorithm.theory",
     description="Print trust-region constants of f-divergences and plot level sets and L_f(V).",
   )
   parser.add_argument("--out", default="theory_plots", help="directory for the PNG plots")

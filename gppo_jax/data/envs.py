@@ -3,8 +3,8 @@
 An `Env` hands out tokenized training prompts with their gold answers, holds a fixed held-out
 evaluation set, and turns decoded responses into rewards. Two kinds:
 
-  BuiltinEnv  a synthetic task from gppo_jax.tasks (no files, no downloads; the CPU default)
-  DataEnv     JSONL / Parquet files (gppo_jax.data) scored by the math verifier or the code sandbox
+  BuiltinEnv  a synthetic task from gppo_jax.data.tasks (no files, no downloads; the CPU default)
+  DataEnv     JSONL / Parquet files (`readers`) scored by the math verifier or the code sandbox
 
 Both are deterministic given (seed, position), and expose their position as a JSON-able dict so a
 resumed run continues with exactly the prompts it would have seen.
@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gppo_jax import errors, tasks
+from gppo_jax import errors
+from gppo_jax.data import tasks
 
 
 @dataclasses.dataclass
@@ -137,7 +138,7 @@ class DataEnv:
     max_new_tokens: int,
     answer_format: str = "boxed",
   ):
-    from gppo_jax import data as data_lib
+    from gppo_jax.data import readers as data_lib
 
     self.tokenizer = tokenizer
     self.kind = data_cfg.kind
@@ -149,7 +150,7 @@ class DataEnv:
     self._scorer = None
     check = None
     if self.kind == "math":
-      from gppo_jax import math_reward
+      from gppo_jax.rewards import math_reward
 
       if answer_format not in math_reward.ANSWER_FORMATS:
         raise errors.ConfigError(
@@ -199,7 +200,7 @@ class DataEnv:
     self.max_prompt_len = -(-longest // 64) * 64  # one compiled sampler per 64-token bucket
     self.max_new_tokens = max_new_tokens
     if self.kind == "code":
-      from gppo_jax import code_reward
+      from gppo_jax.rewards import code_reward
 
       self._scorer = code_reward.CodeScorer()
 
@@ -221,14 +222,14 @@ class DataEnv:
   def score(self, responses, prompts):
     golds = [p.gold for p in prompts]
     if self.kind == "math":
-      from gppo_jax import math_reward
+      from gppo_jax.rewards import math_reward
 
       results = self._scorer.score_batch(list(responses), golds)
       counts = math_reward.status_counts(results)
       rewards = np.array([r.score for r in results], np.float32)
       valid = np.ones(len(results), bool)
     else:
-      from gppo_jax import code_reward
+      from gppo_jax.rewards import code_reward
 
       results = self._scorer.score_batch(list(responses), golds)
       counts = code_reward.status_counts(results)
@@ -263,7 +264,7 @@ def shape_rewards(
   response tokens. format_coef > 0: + format_coef for a response whose final answer can be
   extracted in `answer_format` (`math_reward.ANSWER_FORMATS`: a closed \\boxed{...} by default).
   """
-  from gppo_jax import math_reward
+  from gppo_jax.rewards import math_reward
 
   out = np.asarray(rewards, np.float32).copy()
   metrics = {}

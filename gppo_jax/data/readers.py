@@ -326,7 +326,7 @@ def epoch_order(num_examples: int, seed: int, epoch: int, shuffle: bool = True) 
   """The example order of one epoch: a permutation that depends only on (seed, epoch)."""
   order = list(range(num_examples))
   if shuffle:
-    random.Random(f"gppo_jax.data/{seed}/{epoch}").shuffle(order)
+    random.Random(f"gppo_jax.data.readers/{seed}/{epoch}").shuffle(order)
   return order
 
 

@@ -58,9 +58,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from gppo_jax import attention as attention_lib
-from gppo_jax import model as model_lib
-from gppo_jax import partitioning, sharding
+from gppo_jax.models import attention as attention_lib
+from gppo_jax.models import model as model_lib
+from gppo_jax.models import partitioning, sharding
 
 LOGPROBS_MODES = ("tempered", "truncated")
 # Cache slots per key block of the decode step's attention (blocks past the filled length skipped).

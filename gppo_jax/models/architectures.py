@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gppo_jax import attention, errors
+from gppo_jax import errors
+from gppo_jax.models import attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FAMILIES = ("llama", "qwen2", "qwen3")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gppo_jax import low_precision, partitioning
+from gppo_jax.models import low_precision, partitioning
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
 # CPU: dense attention up to this many tokens, blockwise beyond. Measured with

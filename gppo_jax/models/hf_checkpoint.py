@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from gppo_jax import errors, partitioning
-from gppo_jax import tokenizer as tokenizer_lib
-from gppo_jax.architectures import ModelConfig, config_from_hf, config_to_hf
-from gppo_jax.model import Transformer
+from gppo_jax import errors
+from gppo_jax.models import partitioning
+from gppo_jax.models import tokenizer as tokenizer_lib
+from gppo_jax.models.architectures import ModelConfig, config_from_hf, config_to_hf
+from gppo_jax.models.model import Transformer
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -331,7 +332,7 @@ def load_model(
 
 def load_pretrained(path: str | Path, **kwargs):
   """(model, tokenizer) from a Hugging Face folder; kwargs go to load_model."""
-  from gppo_jax.tokenizer import load_tokenizer
+  from gppo_jax.models.tokenizer import load_tokenizer
 
   return load_model(path, **kwargs), load_tokenizer(path)
 

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gppo_jax import attention as attention_lib
-from gppo_jax import low_precision, partitioning
-from gppo_jax.architectures import REMAT_POLICIES, ModelConfig, layer_plan
+from gppo_jax.models import attention as attention_lib
+from gppo_jax.models import low_precision, partitioning
+from gppo_jax.models.architectures import REMAT_POLICIES, ModelConfig, layer_plan
 
 # --------------------------------------------------------------------------------------------
 # Parameters

@@ -142,8 +142,8 @@ def constrain_batch(tree: Any) -> Any:
   """Pins batch-major activations (leading axis) to data x fsdp on the ambient mesh.
 
   A no-op without an ambient mesh (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`), so model
-  and training code call it unconditionally; the sharded jits of `gppo_jax.sharding` and
-  `gppo_jax.sampler` set the mesh. Without it XLA lets FSDP-sharded weights pull activations off
+  and training code call it unconditionally; the sharded jits of `gppo_jax.models.sharding` and
+  `generation.sampler` set the mesh. Without it XLA lets FSDP-sharded weights pull activations off
   the batch split, and every device computes the whole mini-batch.
   """
   mesh = jax.sharding.get_abstract_mesh()

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from gppo_jax import errors, partitioning, registry
+from gppo_jax import errors, registry
+from gppo_jax.models import partitioning
 
 log = logging.getLogger(__name__)
 

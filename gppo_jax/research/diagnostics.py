@@ -23,7 +23,7 @@ the [B, T, V] logits never exist at once; `summarize` turns per-token arrays int
 metrics; `make_diagnostics_fn` composes both with the model forward into one jitted
 fn(params_behaviour, params_current, batch) -> {"diag/...": value}.
 
-`python -m gppo_jax.diagnostics plot WORKDIR --out FILE.png` draws estimate vs exact per
+`python -m gppo_jax.research.diagnostics plot WORKDIR --out FILE.png` draws estimate vs exact per
 estimator from the diag/* rows of WORKDIR/metrics.jsonl.
 """
 
@@ -42,10 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gppo_jax import cli, errors, objective
-from gppo_jax import divergences as divs
-from gppo_jax import estimators as ests
-from gppo_jax import model as model_lib
+from gppo_jax import cli, errors
+from gppo_jax.algorithm import divergences as divs
+from gppo_jax.algorithm import estimators as ests
+from gppo_jax.algorithm import objective
+from gppo_jax.models import model as model_lib
 
 Array = jax.Array
 
@@ -622,7 +623,8 @@ def plot_estimate_vs_exact(
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-    prog="python -m gppo_jax.diagnostics", description="Estimator diagnostics of a run's logs."
+    prog="python -m gppo_jax.research.diagnostics",
+    description="Estimator diagnostics of a run's logs.",
   )
   sub = parser.add_subparsers(dest="command", required=True)
   plot = sub.add_parser("plot", help="draw estimate vs exact per estimator from metrics.jsonl")

@@ -2,7 +2,7 @@
 
 Each run folder is read back on its own (`read_run`: the sweep's record, train's config.json,
 metrics.jsonl and summary.json), so the outputs can be rebuilt at any time from what is on disk
-(`python -m gppo_jax.sweep --report-only`). Statistics come from gppo_jax/sweep_stats.py: means
+(`python -m gppo_jax.sweep --report-only`). Statistics come from gppo_jax/research/stats.py: means
 with 95% percentile-bootstrap intervals over seeds, and differences and relative gains paired by
 seed. Plots use matplotlib's Agg backend.
 """
@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from gppo_jax import errors, presets
-from gppo_jax import sweep_stats as stats
+from gppo_jax import errors
+from gppo_jax.algorithm import presets
+from gppo_jax.research import stats as stats
 
 DIVERGENCES = ("tv", "kl", "hellinger", "chi2")
 ESTIMATORS = ("mc", "binary", "atomic")
@@ -32,7 +33,7 @@ OWN = "own"  # the radius rule of presets (their own radii)
 INF = "inf"  # the radius rule of `none`
 RECORD = "sweep_run.json"  # in each run folder: what the run is, its train arguments, wall time
 SWEEP_FILE = "sweep.json"  # in the sweep folder: the shared settings and the invocations' times
-# The estimator diagnostics' metrics (gppo_jax/diagnostics.py), averaged per run: after each
+# The estimator diagnostics' metrics (research/diagnostics.py), averaged per run: after each
 # update, and (stale rollouts) before it; row field -> metric prefix.
 DIAG_FIELDS = {"diag": "diag/", "diag_start": "diag_start/"}
 # The paper's summary claims (math / code), as relative gains of held-out accuracy.

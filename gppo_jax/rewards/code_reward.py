@@ -2,8 +2,8 @@
 
 Extraction is strict: the last ```python (or ```py / ```python3) fenced block, looked for after
 the last `</think>` when there is one; an unclosed block (a truncated response) does not count.
-Tests come in the three forms `gppo_jax.data` reads (stdin/stdout cases, function-call cases with
-`fn_name`, HumanEval-style `test_code` + `entry_point`) and run through `gppo_jax.sandbox`.
+Tests come in the three forms `data.readers` reads (stdin/stdout cases, function-call cases with
+`fn_name`, HumanEval-style `test_code` + `entry_point`) and run through `rewards.sandbox`.
 
 The reward is the fraction of cases passed or all-or-nothing (`REWARD_MODES`). A run the sandbox
 itself failed (status `infra_error`) is neither a pass nor a fail: its score is None and
@@ -18,7 +18,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 
-from gppo_jax.sandbox import CallCase, Job, Sandbox, SandboxConfig, Status, StdioCase
+from gppo_jax.rewards.sandbox import CallCase, Job, Sandbox, SandboxConfig, Status, StdioCase
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def build_job(
   prepend_setup: bool = False,
   timeout_s: float | None = None,
 ) -> Job:
-  """A sandbox job for `code` and a `tests` dict in one of the `gppo_jax.data` forms."""
+  """A sandbox job for `code` and a `tests` dict in one of the `gppo_jax.data.readers` forms."""
   if "test_code" in tests:
     setup = str(tests.get("setup_code", ""))
     program = setup + "\n" + code if prepend_setup and setup else code

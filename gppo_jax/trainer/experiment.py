@@ -25,9 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gppo_jax import architectures, config_lib, envs, policy_eval, sampler, sharding, train_step
-from gppo_jax import model as model_lib
+from gppo_jax import config_lib
+from gppo_jax.data import envs
 from gppo_jax.errors import MissingFileError, UserError
+from gppo_jax.generation import sampler
+from gppo_jax.models import architectures, sharding
+from gppo_jax.models import model as model_lib
+from gppo_jax.trainer import policy_eval, train_step
 
 log = logging.getLogger("gppo_jax")
 
@@ -164,7 +168,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway)."""
   overrides = config_lib.model_overrides(config)
   if config.model.path is not None:
-    from gppo_jax import hf_checkpoint
+    from gppo_jax.models import hf_checkpoint
 
     model, tokenizer = hf_checkpoint.load_pretrained(config.model.path, mesh=mesh, **overrides)
     env = envs.make_env(config, tokenizer)
@@ -190,7 +194,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   say(f"policy: architecture {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}
   if config.warmstart.enabled and warm_start:
-    from gppo_jax import warmstart
+    from gppo_jax.trainer import warmstart
 
     params, info = warmstart.warm_start(
       graphdef, params, env, cfg, config.warmstart, seed=init_seed, log=say

@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 
-from gppo_jax import sharding
+from gppo_jax.models import sharding
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -17,8 +17,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from gppo_jax import errors, pass_at_k, sampler
-from gppo_jax.envs import Prompt
+from gppo_jax import errors
+from gppo_jax.data.envs import Prompt
+from gppo_jax.generation import sampler
+from gppo_jax.rewards import pass_at_k
 
 
 def decode_responses(tokenizer, tokens: np.ndarray, mask: np.ndarray, stop_ids: Sequence[int]):

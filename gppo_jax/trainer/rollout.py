@@ -29,7 +29,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from gppo_jax import advantages, envs, policy_eval, sampler, train_step
+from gppo_jax.algorithm import advantages
+from gppo_jax.data import envs
+from gppo_jax.generation import sampler
+from gppo_jax.trainer import policy_eval, train_step
 
 # One dispatch per round (eagerly, fold_in is three: ~0.1 ms of host time each iteration).
 _fold_in = jax.jit(jax.random.fold_in)

@@ -19,8 +19,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gppo_jax import model as model_lib
-from gppo_jax import objective, partitioning
+from gppo_jax.algorithm import objective
+from gppo_jax.models import model as model_lib
+from gppo_jax.models import partitioning
 
 
 @flax.struct.dataclass

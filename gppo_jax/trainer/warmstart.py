@@ -21,8 +21,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gppo_jax import checkpointing, policy_eval, sharding, train_step
-from gppo_jax.envs import BuiltinEnv
+from gppo_jax.data.envs import BuiltinEnv
+from gppo_jax.models import sharding
+from gppo_jax.trainer import checkpointing, policy_eval, train_step
 
 CACHE_VERSION = 1
 

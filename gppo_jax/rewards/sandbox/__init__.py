@@ -6,7 +6,7 @@ runs the program's processes, and holds what both sides share (statuses, the val
 judges).
 """
 
-from gppo_jax.sandbox.host import (
+from gppo_jax.rewards.sandbox.host import (
   CallCase,
   CaseResult,
   Job,
@@ -17,7 +17,7 @@ from gppo_jax.sandbox.host import (
   StdioCase,
   find_sandbox_python,
 )
-from gppo_jax.sandbox.runner import (
+from gppo_jax.rewards.sandbox.runner import (
   Status,
   call_result_matches,
   decode_value,

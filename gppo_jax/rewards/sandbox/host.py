@@ -60,7 +60,7 @@ import threading
 import time
 from typing import Any
 
-from gppo_jax.sandbox.runner import (
+from gppo_jax.rewards.sandbox.runner import (
   STARTED,
   Status,
   call_result_matches,
@@ -436,7 +436,7 @@ class Sandbox:
         "only resource limits and a process group protect this machine"
       )
       warnings.warn(msg, RuntimeWarning, stacklevel=2)
-      print("WARNING: gppo_jax.sandbox: " + msg, file=sys.stderr)
+      print("WARNING: gppo_jax.rewards.sandbox: " + msg, file=sys.stderr)
       for i in range(cfg.num_slots):
         self._slots.put(_Slot(i))
 

@@ -2,7 +2,7 @@
 
 This file is a standalone program for the sandbox's interpreter (which may differ from the
 trainer's): it imports only the standard library, and the host copies it whole into the sandbox's
-read-only root as /gppo/runner.py. The host (`gppo_jax.sandbox.host`) imports it for `Status`,
+read-only root as /gppo/runner.py. The host (`sandbox.host`) imports it for `Status`,
 the value encoding and the judges, so both sides read and judge results with the same code.
 
 Two entry points, both run with `-I -B`:

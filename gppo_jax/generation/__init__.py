@@ -1,0 +1,1 @@
+"""Generation: the KV-cached sampler (`sampler`) on one device or a mesh (`MeshSampler`)."""
