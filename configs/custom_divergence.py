@@ -12,9 +12,9 @@ def le_cam(t):
 
 
 # Registered when the file loads, so "le_cam" then works by name everywhere. Its limits f(0) = 1
-# and f(t)/t -> 1 are given and the numerical check skipped, so loading the config runs no JAX
-# (the commands set JAX up after reading it; tests/test_readme.py runs the check). overwrite:
-# a process may load this file more than once.
+# and f(t)/t -> 1 are given (the float32 estimate of the second overflows) and the numerical
+# check is skipped, so loading the config runs no JAX (the commands set JAX up after reading it;
+# tests/test_readme.py runs the check). overwrite: a process may load this file more than once.
 divergences.register(
   "le_cam", le_cam, f_at_zero=1.0, slope_at_inf=1.0, validate=False, overwrite=True
 )
