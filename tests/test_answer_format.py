@@ -1,4 +1,4 @@
-"""reward.answer_format: where a math response's final answer is read (README "Rewards").
+"""reward.answer_format: where a math response's final answer is read (docs/guide.md "Rewards").
 
 "boxed" reads the last \\boxed{}, "answer_line" DAPO's last `Answer: ...` line, "either" the box
 and else the line; with data.instruction unset the prompts ask for the same format. The trainer's

@@ -3,7 +3,7 @@
 "full" anchors to softmax(logits / T) even when top-k / top-p truncate what is sampled; "sampled"
 anchors to the truncated renormalised distribution the tokens were really drawn from, with the
 current policy renormalised over the same recorded kept set (`sampler` kept_ids,
-`train_step.truncate_to_kept`). README "Training" has the user-facing description.
+`train_step.truncate_to_kept`). docs/guide.md "Training" has the user-facing description.
 
 Each test checks the property against a numpy computation from the full-sequence logits, so a
 wrong kept set, a wrong normaliser or a mismatch between the sampler and the update fails.

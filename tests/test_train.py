@@ -139,7 +139,7 @@ def _choice_sample(task, rng, n, split="train"):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_task_draws_the_same_problems_as_numpy_choice(seed):
   """Task.sample's component draw is rng.choice's (the same problems from the same seed): runs,
-  their warm-start caches and the README's figures depend on this stream."""
+  their warm-start caches and docs/verdict.md's figures depend on this stream."""
   for name in ("addsub3", "ops3", "add1"):
     task = tasks.get(name)
     for split in ("train", "eval"):
