@@ -430,7 +430,7 @@ LEARNING_MARGIN = 0.1
   [
     pytest.param("tv", "mc", marks=pytest.mark.slow),
     pytest.param("kl", "binary", marks=pytest.mark.slow),
-    ("chi2", "atomic"),
+    pytest.param("chi2", "atomic", marks=pytest.mark.user_xla),
   ],
 )
 def test_policy_learns_on_a_tiny_task(
