@@ -902,22 +902,25 @@ def is_release_folder(spec: Spec, folder: str) -> bool:
 def release_files(spec: Spec, folder: str) -> list[str]:
   """The files of the Spec's configuration and split in a downloaded release folder (DataError,
   naming what was looked for, if there are none)."""
-  where = f"{spec.hub_id}{f' config {spec.config}' if spec.config else ''} split {spec.split!r}"
   looked: list[str] = []
-  if spec.hub_data_files:
-    looked.append(spec.hub_data_files[1])
-    if files := _glob_data_files(folder, looked[-1:]):
+  base = os.path.basename(os.path.normpath(folder))
+  if spec.hub_data_files:  # the files the hub is read for, and nothing else (TACO's ALL/train-*)
+    pattern = spec.hub_data_files[1]
+    head, _, rest = pattern.partition("/")
+    looked.append(pattern)
+    if files := _glob_data_files(folder, [pattern] + ([rest] if rest and base == head else [])):
       return files
+    raise _no_release_files(spec, folder, looked)
   configs = _dataset_card_configs(folder)
   patterns = _card_patterns(spec, configs) if configs is not None else None
   if patterns:
     looked += [f"{p} (README.md configs)" for p in patterns]
     if files := _glob_data_files(folder, patterns):
       return files
-  # The names. A configuration's files are in its folder (or this is that folder).
+  # The file names. A configuration's files are in its folder (or this is that folder).
   if spec.config:
     roots = [os.path.join(folder, spec.config)]
-    if os.path.basename(os.path.normpath(folder)) == spec.config:
+    if base == spec.config:
       roots.append(folder)
   else:
     roots = [folder]
@@ -935,7 +938,12 @@ def release_files(spec: Spec, folder: str) -> list[str]:
   words = ", ".join(SPLIT_WORDS.get(spec.split, (spec.split,)))
   under = f"{spec.config}/" if spec.config else "the folder"
   looked.append(f"files under {under} whose path names the split ({words})")
-  raise errors.DataError(
+  raise _no_release_files(spec, folder, looked)
+
+
+def _no_release_files(spec: Spec, folder: str, looked: list[str]) -> errors.DataError:
+  where = f"{spec.hub_id}{f' config {spec.config}' if spec.config else ''} split {spec.split!r}"
+  return errors.DataError(
     f"--source={folder}: a Hugging Face release folder without files of {where}; looked for "
     f"{'; '.join(looked)} ({'/'.join(SOURCE_SUFFIXES)} files)"
   )
@@ -1204,7 +1212,10 @@ if __name__ == "__main__":
 
   flags.DEFINE_string("out", None, "Output .jsonl file.")
   flags.DEFINE_string(
-    "source", None, "Local copy of the release (file or folder) instead of the Hugging Face hub."
+    "source",
+    None,
+    "Local copy of the release instead of the Hugging Face hub: a file, a folder of files, or a "
+    "downloaded release folder (its registered configuration and split are read).",
   )
   flags.DEFINE_integer("limit", None, "Write at most this many rows.")
   flags.DEFINE_bool("list", False, "List the datasets and exit.")

@@ -445,9 +445,10 @@ def test_taco_release_folder_reads_only_the_train_shards(tmp_path):
   # The configuration's folder alone: its shards' names still tell train from test.
   rows, _ = convert_folder("taco", tmp_path / "TACO" / "ALL")
   assert [r["metadata"]["name"] for r in rows] == expected
-  taco_release(tmp_path / "test_only", ["ALL/test-00000-of-00001"])
+  # Without ALL's train shards, nothing else is taken for them (another configuration's either).
+  taco_release(tmp_path / "no_all_train", ["ALL/test-00000-of-00001", "EASY/train-00000-of-00001"])
   with pytest.raises(errors.DataError, match=r"BAAI/TACO split 'train'; looked for ALL/train-\*"):
-    convert_folder("taco", tmp_path / "test_only")
+    convert_folder("taco", tmp_path / "no_all_train")
 
 
 OLYMPIAD_CARD = """---
@@ -481,6 +482,9 @@ def test_olympiadbench_release_folder_reads_only_its_configuration(tmp_path, car
     (tmp_path / "README.md").write_text(OLYMPIAD_CARD)
   got, s = convert_folder("olympiadbench", tmp_path)
   assert [r["id"] for r in got] == ["2001", "2002"] and s.read == 2
+  if not card:  # the configuration's own folder
+    got, _ = convert_folder("olympiadbench", tmp_path / "OE_TO_maths_en_COMP")
+    assert [r["id"] for r in got] == ["2001", "2002"]
   os.rename(tmp_path / "OE_TO_maths_en_COMP", tmp_path / "elsewhere")
   with pytest.raises(errors.DataError, match="config OE_TO_maths_en_COMP split 'train'") as e:
     convert_folder("olympiadbench", tmp_path)
@@ -524,6 +528,10 @@ def test_a_folder_of_plain_files_is_read_whole_as_before(tmp_path):
   assert not pd.is_release_folder(pd.get_spec("aime24"), str(tmp_path))
   rows, _ = convert_folder("aime24", tmp_path)
   assert sorted(r["id"] for r in rows) == ["2024-I-1", "2024-II-15"]
+  # What `huggingface-cli download --local-dir` leaves next to the files makes it a release.
+  (tmp_path / ".cache" / "huggingface").mkdir(parents=True)
+  rows, _ = convert_folder("aime24", tmp_path)
+  assert [r["id"] for r in rows] == ["2024-I-1"]
 
 
 def test_hub_loading_is_wired_to_the_registered_ids(monkeypatch):
