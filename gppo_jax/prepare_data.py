@@ -800,21 +800,26 @@ SPLIT_WORDS = {  # the names the hub reads as each split, as words of a path
 _SHARD_RE = re.compile(r"-\d{5}-of-\d{5}")  # the hub's shard names: train-00000-of-00003.parquet
 
 
-def _dataset_card_configs(folder: str) -> list | None:
-  """The `configs:` list of the folder's dataset card (README.md's YAML header), if any."""
-  path = os.path.join(folder, "README.md")
+def _dataset_card_header(folder: str) -> str | None:
+  """The YAML header of the folder's dataset card (README.md between `---` lines), if any."""
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
       text = f.read()
   except (OSError, UnicodeDecodeError):
     return None
   m = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
-  if not m:
+  return m.group(1) if m else None
+
+
+def _dataset_card_configs(folder: str) -> list | None:
+  """The `configs:` list of the folder's dataset card, if any."""
+  text = _dataset_card_header(folder)
+  if text is None:
     return None
   try:
     import yaml  # a dependency of `datasets`
 
-    header = yaml.safe_load(m.group(1))
+    header = yaml.safe_load(text)
   except Exception:  # noqa: BLE001 - no yaml, or a header that does not parse: use the names
     return None
   configs = header.get("configs") if isinstance(header, dict) else None
@@ -894,7 +899,7 @@ def is_release_folder(spec: Spec, folder: str) -> bool:
     return True
   if spec.config and os.path.isdir(os.path.join(folder, spec.config)):
     return True
-  if _dataset_card_configs(folder) is not None:
+  if _dataset_card_header(folder) is not None:
     return True
   return any(_SHARD_RE.search(os.path.basename(p)) for p in _data_files_under(folder))
 

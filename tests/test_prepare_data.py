@@ -528,10 +528,16 @@ def test_a_folder_of_plain_files_is_read_whole_as_before(tmp_path):
   assert not pd.is_release_folder(pd.get_spec("aime24"), str(tmp_path))
   rows, _ = convert_folder("aime24", tmp_path)
   assert sorted(r["id"] for r in rows) == ["2024-I-1", "2024-II-15"]
-  # What `huggingface-cli download --local-dir` leaves next to the files makes it a release.
-  (tmp_path / ".cache" / "huggingface").mkdir(parents=True)
-  rows, _ = convert_folder("aime24", tmp_path)
-  assert [r["id"] for r in rows] == ["2024-I-1"]
+  # What `huggingface-cli download --local-dir` leaves next to the files, or a dataset card's
+  # YAML header, makes it a release: its train split is read.
+  for marker in ("card", "download"):
+    if marker == "card":
+      (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# AIME 2024\n")
+    else:
+      (tmp_path / "README.md").unlink()
+      (tmp_path / ".cache" / "huggingface").mkdir(parents=True)
+    rows, _ = convert_folder("aime24", tmp_path)
+    assert [r["id"] for r in rows] == ["2024-I-1"], marker
 
 
 def test_hub_loading_is_wired_to_the_registered_ids(monkeypatch):
