@@ -3,6 +3,8 @@ optimisation, the legacy fusion emitter). The tests marked `user_xla` (model par
 transformers and the naive forward, the sampler's core, the bounded learning test's default cell)
 are run again here in a child pytest under the build users run (GPPO_TEST_XLA_OPT=1), so a
 miscompile or a numerical difference that only the optimised build shows fails the default run.
+The child shares the session's compilation cache, whose keys include XLA_FLAGS: it reuses no
+program compiled under the test-only flags.
 
 `python -m pytest -q -m user_xla` with GPPO_TEST_XLA_OPT=1 runs the same subset by hand."""
 
