@@ -7,8 +7,9 @@
 
 Without `--source` the release is read from the Hugging Face hub (the `datasets` package, or
 `huggingface_hub` for LiveCodeBench's JSONL files); `--source` points at a local copy instead: a
-.jsonl / .json / .parquet file, or a folder of them (read in name order; for LiveCodeBench the
-release's `test*.jsonl` files).
+.jsonl / .json / .parquet file, a folder of them (read in name order), or a downloaded release
+folder (`huggingface-cli download --repo-type dataset ID`), of which only the registered
+configuration's and split's files are read (for LiveCodeBench the release's `test*.jsonl` files).
 
 Each output row is {id, benchmark, prompt, answer | tests, metadata}. `prompt` is the problem
 statement only (the math instruction comes from the config); code prompts say where the program
@@ -32,6 +33,7 @@ import base64
 import collections
 import dataclasses
 import datetime
+import glob
 import io
 import json
 import logging
@@ -528,11 +530,13 @@ def convert_taco(row: dict, index: int, ctx: Context) -> dict:
 # EvalPlus: HumanEval+ and MBPP+
 # ---------------------------------------------------------------------------------------------
 
-# EvalPlus's test helpers import numpy for `np.allclose` (float answers) and dtype checks; the
-# sandbox's interpreter need not have numpy, so the tests get this standard-library stand-in.
+# EvalPlus's test helpers import numpy for `np.allclose` (float answers; files written by older
+# EvalPlus versions call `np.testing.assert_allclose` instead) and dtype checks; the sandbox's
+# interpreter need not have numpy, so the tests get this standard-library stand-in.
 NUMPY_STAND_IN = '''\
 class _NumpyStandIn:
-    """The numpy that EvalPlus's assertion helpers use: allclose and dtype names."""
+    """The numpy that EvalPlus's assertion helpers use: allclose, testing.assert_allclose and
+    dtype names."""
 
     class ndarray:
         pass
@@ -556,20 +560,41 @@ class _NumpyStandIn:
         else:
             yield a, b
 
+    @staticmethod
+    def _close(x, y, rtol, atol):
+        """numpy's |x - y| <= atol + rtol * |y|; equal values (infinities too) are close, NaN and
+        an unequal infinity are not."""
+        if x == y:
+            return True
+        if x != x or y != y or abs(x) == float("inf") or abs(y) == float("inf"):
+            return False
+        return abs(x - y) <= atol + rtol * abs(y)
+
     @classmethod
     def allclose(cls, a, b, rtol=1e-05, atol=1e-08):
-        for x, y in cls._pairs(a, b):
-            if x == y:
-                continue
-            if x != x or y != y or abs(x - y) > atol + rtol * abs(y):
-                return False
-        return True
+        return all(cls._close(x, y, rtol, atol) for x, y in cls._pairs(a, b))
+
+    class testing:
+        @staticmethod
+        def assert_allclose(
+            actual, desired, rtol=1e-07, atol=0, equal_nan=True, err_msg="", verbose=True
+        ):
+            """numpy's defaults: a relative tolerance of 1e-7 and NaN equal to NaN."""
+            try:
+                pairs = list(_NumpyStandIn._pairs(actual, desired))
+            except ValueError:
+                raise AssertionError(f"shapes differ: {actual!r} vs {desired!r} {err_msg}")
+            for x, y in pairs:
+                if equal_nan and x != x and y != y:
+                    continue
+                if not _NumpyStandIn._close(x, y, rtol, atol):
+                    raise AssertionError(f"not close: {x!r} vs {y!r} {err_msg}")
 
 
 np = _NumpyStandIn
 '''
 _NUMPY_IMPORT_RE = re.compile(r"^[ \t]*import numpy as np[ \t]*$", re.M)
-_NUMPY_NAMES = {"allclose", "ndarray", "float32", "float64"}
+_NUMPY_NAMES = {"allclose", "testing.assert_allclose", "ndarray", "float32", "float64"}
 
 
 def without_numpy(test: str) -> str:
@@ -578,7 +603,7 @@ def without_numpy(test: str) -> str:
   code = _NUMPY_IMPORT_RE.sub("", test)
   if re.search(r"^\s*(import|from)\s+numpy\b", code, re.M):
     raise SkipRow("test code imports numpy in another way")
-  used = set(re.findall(r"\bnp\.(\w+)", code))
+  used = set(re.findall(r"\bnp\.(testing\.\w+|\w+)", code))
   if used - _NUMPY_NAMES:
     raise SkipRow(f"test code uses numpy's {sorted(used - _NUMPY_NAMES)}")
   return NUMPY_STAND_IN + "\n" + code if used else code
@@ -762,9 +787,177 @@ class _Unreadable:
   reason: str
 
 
+# A downloaded Hugging Face dataset repo (`huggingface-cli download --repo-type dataset ID`) holds
+# every configuration and split of the release; only the Spec's own are read from it. Which files
+# those are follows the hub's conventions: the dataset card's `configs:` list (README.md's YAML
+# header) if it names the configuration, else file and folder names (`<config>/<split>-*`,
+# `data/<split>-*`, `<split>.jsonl`, a split name between delimiters anywhere in the path).
+SPLIT_WORDS = {  # the names the hub reads as each split, as words of a path
+  "train": ("train", "training"),
+  "validation": ("validation", "valid", "dev", "val"),
+  "test": ("test", "testing", "eval", "evaluation"),
+}
+_SHARD_RE = re.compile(r"-\d{5}-of-\d{5}")  # the hub's shard names: train-00000-of-00003.parquet
+
+
+def _dataset_card_header(folder: str) -> str | None:
+  """The YAML header of the folder's dataset card (README.md between `---` lines), if any."""
+  try:
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError):
+    return None
+  m = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
+  return m.group(1) if m else None
+
+
+def _dataset_card_configs(folder: str) -> list | None:
+  """The `configs:` list of the folder's dataset card, if any."""
+  text = _dataset_card_header(folder)
+  if text is None:
+    return None
+  try:
+    import yaml  # a dependency of `datasets`
+
+    header = yaml.safe_load(text)
+  except Exception:  # noqa: BLE001 - no yaml, or a header that does not parse: use the names
+    return None
+  configs = header.get("configs") if isinstance(header, dict) else None
+  return configs if isinstance(configs, list) else None
+
+
+def _card_patterns(spec: Spec, configs: list) -> list[str] | None:
+  """The data_files globs the card gives the Spec's configuration and split (None if it does not
+  name the configuration; [] if it names it without that split)."""
+  entries = [c for c in configs if isinstance(c, dict)]
+  if spec.config is not None:
+    chosen = [c for c in entries if c.get("config_name") == spec.config]
+  else:
+    chosen = [c for c in entries if c.get("default") is True] or [
+      c for c in entries if c.get("config_name") == "default"
+    ]
+    if not chosen and len(entries) == 1:
+      chosen = entries
+  if not chosen:
+    return None
+  data_files = chosen[0].get("data_files")
+  if isinstance(data_files, dict):  # {split: path or paths}
+    data_files = [{"split": k, "path": v} for k, v in data_files.items()]
+  elif isinstance(data_files, str):
+    data_files = [data_files]
+  out: list[str] = []
+  for d in data_files if isinstance(data_files, list) else []:
+    if isinstance(d, str):  # a path without a split: the train split
+      split, paths = "train", d
+    elif isinstance(d, dict):
+      split, paths = d.get("split", "train"), d.get("path")
+    else:
+      continue
+    if split == spec.split:
+      out += [paths] if isinstance(paths, str) else [p for p in paths or [] if isinstance(p, str)]
+  return out
+
+
+def _glob_data_files(folder: str, patterns: Iterable[str]) -> list[str]:
+  found = {
+    p
+    for pattern in patterns
+    for p in glob.glob(os.path.join(glob.escape(folder), pattern), recursive=True)
+    if os.path.isfile(p) and p.endswith(SOURCE_SUFFIXES)
+  }
+  return sorted(found)
+
+
+def _data_files_under(folder: str) -> list[str]:
+  """The data files under `folder` in name order, hidden folders (`.cache`, `.git`) left out."""
+  out = []
+  for root, dirs, names in os.walk(folder):
+    dirs[:] = [d for d in dirs if not d.startswith(".")]
+    out += [os.path.join(root, n) for n in names if n.endswith(SOURCE_SUFFIXES)]
+  return sorted(out)
+
+
+def _in_split(relpath: str, split: str) -> bool | None:
+  """Whether a path's name puts a file in `split` (the hub's rule: a split's name between
+  delimiters); None if it names no split at all."""
+  words = {**SPLIT_WORDS, split: SPLIT_WORDS.get(split, (split,))}
+  named = [
+    s
+    for s, ws in words.items()
+    if re.search(rf"(^|[-._ 0-9/])({'|'.join(ws)})([-._ 0-9/]|$)", relpath.lower())
+  ]
+  return (named[0] == split) if named else None
+
+
+def is_release_folder(spec: Spec, folder: str) -> bool:
+  """Whether `folder` is a copy of a hub dataset repo (its .gitattributes, the download's
+  .cache/huggingface, a dataset card with a YAML header, a folder named after the Spec's
+  configuration, or shard-named files) rather than a folder of plain files."""
+  if os.path.isfile(os.path.join(folder, ".gitattributes")):
+    return True
+  if os.path.isdir(os.path.join(folder, ".cache", "huggingface")):
+    return True
+  if spec.config and os.path.isdir(os.path.join(folder, spec.config)):
+    return True
+  if _dataset_card_header(folder) is not None:
+    return True
+  return any(_SHARD_RE.search(os.path.basename(p)) for p in _data_files_under(folder))
+
+
+def release_files(spec: Spec, folder: str) -> list[str]:
+  """The files of the Spec's configuration and split in a downloaded release folder (DataError,
+  naming what was looked for, if there are none)."""
+  looked: list[str] = []
+  base = os.path.basename(os.path.normpath(folder))
+  if spec.hub_data_files:  # the files the hub is read for, and nothing else (TACO's ALL/train-*)
+    pattern = spec.hub_data_files[1]
+    head, _, rest = pattern.partition("/")
+    looked.append(pattern)
+    if files := _glob_data_files(folder, [pattern] + ([rest] if rest and base == head else [])):
+      return files
+    raise _no_release_files(spec, folder, looked)
+  configs = _dataset_card_configs(folder)
+  patterns = _card_patterns(spec, configs) if configs is not None else None
+  if patterns:
+    looked += [f"{p} (README.md configs)" for p in patterns]
+    if files := _glob_data_files(folder, patterns):
+      return files
+  # The file names. A configuration's files are in its folder (or this is that folder).
+  if spec.config:
+    roots = [os.path.join(folder, spec.config)]
+    if base == spec.config:
+      roots.append(folder)
+  else:
+    roots = [folder]
+  for root in roots:
+    if not os.path.isdir(root):
+      continue
+    files = _data_files_under(root)
+    in_split = {p: _in_split(os.path.relpath(p, root), spec.split) for p in files}
+    if all(v is None for v in in_split.values()) and spec.split == "train":
+      chosen = files  # no split named anywhere: the hub reads it all as train
+    else:
+      chosen = [p for p in files if in_split[p]]
+    if chosen:
+      return chosen
+  words = ", ".join(SPLIT_WORDS.get(spec.split, (spec.split,)))
+  under = f"{spec.config}/" if spec.config else "the folder"
+  looked.append(f"files under {under} whose path names the split ({words})")
+  raise _no_release_files(spec, folder, looked)
+
+
+def _no_release_files(spec: Spec, folder: str, looked: list[str]) -> errors.DataError:
+  where = f"{spec.hub_id}{f' config {spec.config}' if spec.config else ''} split {spec.split!r}"
+  return errors.DataError(
+    f"--source={folder}: a Hugging Face release folder without files of {where}; looked for "
+    f"{'; '.join(looked)} ({'/'.join(SOURCE_SUFFIXES)} files)"
+  )
+
+
 def source_files(spec: Spec, source: str, options: Options) -> list[str]:
-  """The files of a local `--source`: the file itself, or a folder's data files in name order
-  (for LiveCodeBench, the release's files, which must all be there)."""
+  """The files of a local `--source`: the file itself; in a downloaded release folder, the files
+  of the Spec's configuration and split (for LiveCodeBench, the release's files, which must all
+  be there); in any other folder, all its data files in name order."""
   if not os.path.exists(source):
     raise errors.MissingFileError(f"--source={source}: no such file or folder")
   if not os.path.isdir(source):
@@ -777,6 +970,8 @@ def source_files(spec: Spec, source: str, options: Options) -> list[str]:
         f"--source={source}: {options.release} needs {', '.join(missing)}, not in the folder"
       )
     return [os.path.join(source, f) for f in wanted]
+  if is_release_folder(spec, source):
+    return release_files(spec, source)
   files = sorted(
     os.path.join(root, name)
     for root, _, names in os.walk(source)
@@ -1022,7 +1217,10 @@ if __name__ == "__main__":
 
   flags.DEFINE_string("out", None, "Output .jsonl file.")
   flags.DEFINE_string(
-    "source", None, "Local copy of the release (file or folder) instead of the Hugging Face hub."
+    "source",
+    None,
+    "Local copy of the release instead of the Hugging Face hub: a file, a folder of files, or a "
+    "downloaded release folder (its registered configuration and split are read).",
   )
   flags.DEFINE_integer("limit", None, "Write at most this many rows.")
   flags.DEFINE_bool("list", False, "List the datasets and exit.")

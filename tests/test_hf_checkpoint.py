@@ -109,6 +109,7 @@ def saved(request, tmp_path_factory):
   return kind, m, path
 
 
+@pytest.mark.user_xla
 def test_logits_match_transformers_with_left_padding(saved):
   kind, hf, path = saved
   policy = hf_checkpoint.load_model(path)

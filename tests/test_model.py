@@ -65,6 +65,7 @@ def test_project_equals_the_einsum_in_values_and_gradients(x_shape, w_shape, con
 
 
 # padded multi-chunk; one capped chunk; the default (these logits are small: one plain piece)
+@pytest.mark.user_xla
 @pytest.mark.parametrize("chunk_size", [5, 64, None])
 def test_chunked_stats_equal_naive(policy, chunk_size):
   tokens, mask, positions, targets = _batch()
@@ -184,6 +185,7 @@ def test_left_padding_and_causality(policy):
   assert np.abs(hidden2[:, 8:] - hidden[:, 8:]).max() > 1e-3
 
 
+@pytest.mark.user_xla
 def test_kv_cache_matches_full_forward(policy):
   tokens, mask, positions, _ = _batch()
   want = np.asarray(_hidden(policy, tokens, mask, positions))

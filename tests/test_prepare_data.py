@@ -293,6 +293,69 @@ def test_humaneval_plus_check_runs_without_numpy():
       run_check(tests, wrong)
 
 
+def test_humaneval_plus_accepts_tests_written_with_assert_allclose():
+  """HumanEval+ files written before EvalPlus changed its float check to `assert np.allclose`
+  call `np.testing.assert_allclose`: converted, and run on the stand-in."""
+  rows, s = convert("humaneval_plus", "humanevalplus_assert_allclose.jsonl")
+  (row,) = rows
+  assert not s.skipped and row["id"] == "HumanEval/9001"
+  tests = row["tests"]
+  assert (
+    "import numpy" not in tests["test_code"]
+    and "np.testing.assert_allclose" in (tests["test_code"])
+  )
+  run_check(tests, lambda xs: [x / 2 for x in xs])
+  run_check(tests, lambda xs: [x / 2 + 1e-9 for x in xs])  # within the float tolerance
+  for wrong in (
+    lambda xs: [x / 2 + 1e-3 for x in xs],
+    lambda xs: [x / 3 for x in xs],
+    lambda xs: [x / 2 for x in xs] + [0.0],
+    lambda xs: None,
+  ):
+    with pytest.raises((AssertionError, TypeError)):
+      run_check(tests, wrong)
+
+
+def test_numpy_stand_in_assert_allclose_agrees_with_numpy():
+  import numpy
+
+  ns = {}
+  exec(pd.NUMPY_STAND_IN, ns)
+  stand_in = ns["np"].testing.assert_allclose
+  nan, inf = float("nan"), float("inf")
+  cases = [
+    ((1.0, 1.0), {}),
+    ((1.0, 1.0 + 1e-8), {}),
+    ((1.0, 1.0 + 1e-6), {}),
+    ((1.0, 1.0 + 1e-6), {"atol": 1e-5}),
+    (([1.0, 2.0], [1.0, 2.0 + 1e-9]), {"atol": 1e-6}),
+    (([1.0, 2.0], [1.0, 2.1]), {"atol": 1e-6}),
+    (([1.0, 2.0], [1.0, 2.0, 3.0]), {}),
+    ((3.0, [3.0, 3.0]), {}),
+    (([[1.0, 2.0]], [[1.0, 2.0]]), {}),
+    ((nan, nan), {}),
+    ((nan, nan), {"equal_nan": False}),
+    ((nan, 1.0), {}),
+    ((inf, inf), {}),
+    ((inf, -inf), {}),
+    ((inf, 1e308), {}),
+    ((100.0, 100.5), {"rtol": 1e-2}),
+    ((100.0, 102.0), {"rtol": 1e-2}),
+  ]
+  for args, kw in cases:
+    try:
+      numpy.testing.assert_allclose(*args, **kw)
+      expected = True
+    except AssertionError:
+      expected = False
+    try:
+      stand_in(*args, **kw)
+      got = True
+    except AssertionError:
+      got = False
+    assert got == expected, (args, kw)
+
+
 def test_numpy_stand_in():
   ns = {}
   exec(pd.NUMPY_STAND_IN, ns)
@@ -300,6 +363,7 @@ def test_numpy_stand_in():
   assert np.allclose([1.0, 2.0], (1.0, 2.0 + 1e-9)) and np.allclose(3, [3.0, 3.0])
   assert not np.allclose([1.0, 2.0], [1.0, 2.1]) and not np.allclose(float("nan"), float("nan"))
   assert np.allclose(float("inf"), float("inf")) and not np.allclose(float("inf"), 1e308)
+  assert not np.allclose(float("inf"), float("-inf"))
   with pytest.raises(ValueError):
     np.allclose([1.0], [1.0, 2.0])
   with pytest.raises(pd.SkipRow, match="mean"):
@@ -340,6 +404,140 @@ def test_unreadable_lines_and_json_arrays(tmp_path):
   assert convert("aime24", str(array))[0] == rows
   with pytest.raises(errors.MissingFileError):
     convert("aime24", str(tmp_path / "missing.jsonl"))
+
+
+def fixture_rows(name):
+  return [json.loads(line) for line in open(os.path.join(FIXTURES, name))]
+
+
+def write_parquet(path, rows):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def convert_folder(name, folder):
+  spec = pd.get_spec(name)
+  return pd.convert_rows(spec, pd.local_rows(pd.source_files(spec, str(folder), spec.defaults)))
+
+
+def taco_release(folder, shards):
+  """A TACO release folder as `huggingface-cli download` leaves it: the loading script, the card
+  and one Parquet file per shard (rows named after their shard)."""
+  (folder / ".gitattributes").parent.mkdir(parents=True, exist_ok=True)
+  (folder / ".gitattributes").write_text("*.parquet filter=lfs diff=lfs merge=lfs -text\n")
+  (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# TACO\n")
+  (folder / "TACO.py").write_text("# the release's loading script\n")
+  (sum2,) = fixture_rows("taco.jsonl")[:1]
+  for shard in shards:
+    rows = [dict(sum2, name=f"{shard}#{i}") for i in range(2)]
+    write_parquet(str(folder / f"{shard}.parquet"), rows)
+
+
+def test_taco_release_folder_reads_only_the_train_shards(tmp_path):
+  train = ["ALL/train-00000-of-00002", "ALL/train-00001-of-00002"]
+  taco_release(tmp_path / "TACO", train + ["ALL/test-00000-of-00001", "EASY/train-00000-of-00001"])
+  expected = [f"{shard}#{i}" for shard in train for i in range(2)]
+  rows, s = convert_folder("taco", tmp_path / "TACO")
+  assert [r["metadata"]["name"] for r in rows] == expected and s.read == 4
+  # The configuration's folder alone: its shards' names still tell train from test.
+  rows, _ = convert_folder("taco", tmp_path / "TACO" / "ALL")
+  assert [r["metadata"]["name"] for r in rows] == expected
+  # Without ALL's train shards, nothing else is taken for them (another configuration's either).
+  taco_release(tmp_path / "no_all_train", ["ALL/test-00000-of-00001", "EASY/train-00000-of-00001"])
+  with pytest.raises(errors.DataError, match=r"BAAI/TACO split 'train'; looked for ALL/train-\*"):
+    convert_folder("taco", tmp_path / "no_all_train")
+
+
+OLYMPIAD_CARD = """---
+license: apache-2.0
+configs:
+- config_name: OE_MM_maths_en_COMP
+  data_files:
+  - split: train
+    path: OE_MM_maths_en_COMP/part-*
+- config_name: OE_TO_maths_en_COMP
+  data_files:
+  - split: train
+    path: OE_TO_maths_en_COMP/part-*
+- config_name: OE_TO_physics_en_COMP
+  data_files: OE_TO_physics_en_COMP/part-*
+---
+# OlympiadBench
+"""
+
+
+@pytest.mark.parametrize("card", [False, True], ids=["file names", "dataset card"])
+def test_olympiadbench_release_folder_reads_only_its_configuration(tmp_path, card):
+  """Three configurations of one release; only OE_TO_maths_en_COMP's rows are converted, found by
+  the hub's file names (<config>/train-*) or, where the names say nothing, by the card."""
+  rows = fixture_rows("olympiadbench.jsonl")
+  for offset, config in [(1000, "OE_MM_maths_en_COMP"), (0, "OE_TO_maths_en_COMP"),
+                         (5000, "OE_TO_physics_en_COMP")]:  # fmt: skip
+    shard = "part-0.parquet" if card else "train-00000-of-00001.parquet"
+    write_parquet(str(tmp_path / config / shard), [dict(r, id=r["id"] + offset) for r in rows])
+  if card:
+    (tmp_path / "README.md").write_text(OLYMPIAD_CARD)
+  got, s = convert_folder("olympiadbench", tmp_path)
+  assert [r["id"] for r in got] == ["2001", "2002"] and s.read == 2
+  if not card:  # the configuration's own folder
+    got, _ = convert_folder("olympiadbench", tmp_path / "OE_TO_maths_en_COMP")
+    assert [r["id"] for r in got] == ["2001", "2002"]
+  os.rename(tmp_path / "OE_TO_maths_en_COMP", tmp_path / "elsewhere")
+  with pytest.raises(errors.DataError, match="config OE_TO_maths_en_COMP split 'train'") as e:
+    convert_folder("olympiadbench", tmp_path)
+  assert "files under OE_TO_maths_en_COMP/ whose path names the split (train" in str(e.value)
+  if card:
+    assert "OE_TO_maths_en_COMP/part-* (README.md configs)" in str(e.value)
+
+
+def test_default_configuration_release_folders_follow_the_split_names(tmp_path):
+  # aime24 reads the train split of data/; the test shard and the card's own files are left out.
+  aime = fixture_rows("aime24.jsonl")
+  write_parquet(str(tmp_path / "aime" / "data" / "train-00000-of-00001.parquet"), aime[:1])
+  write_parquet(str(tmp_path / "aime" / "data" / "test-00000-of-00001.parquet"), aime[1:])
+  rows, _ = convert_folder("aime24", tmp_path / "aime")
+  assert [r["id"] for r in rows] == ["2024-I-1"]
+  # humaneval_plus reads the test split.
+  (he,) = fixture_rows("humanevalplus.jsonl")
+  write_parquet(str(tmp_path / "he" / "data" / "test-00000-of-00001.parquet"), [he])
+  write_parquet(
+    str(tmp_path / "he" / "data" / "train-00000-of-00001.parquet"), [dict(he, task_id="X/1")]
+  )
+  rows, _ = convert_folder("humaneval_plus", tmp_path / "he")
+  assert [r["id"] for r in rows] == ["HumanEval/9000"]
+  # A release whose file names name no split is all train, as the hub reads it (DAPO's layout).
+  dapo = tmp_path / "dapo"
+  write_parquet(str(dapo / "data" / "dapo-math-17k.parquet"), fixture_rows("dapo_math_17k.jsonl"))
+  (dapo / ".gitattributes").write_text("")
+  rows, s = convert_folder("dapo_math_17k", dapo)
+  assert len(rows) == 2 and s.read == 4
+  with pytest.raises(errors.DataError, match="whose path names the split \\(test, testing"):
+    convert_folder("math500", dapo)
+
+
+def test_a_folder_of_plain_files_is_read_whole_as_before(tmp_path):
+  """Not a release (no card, .gitattributes, shard names or configuration folder): every data
+  file is read, whatever its name."""
+  aime = fixture_rows("aime24.jsonl")
+  (tmp_path / "train.jsonl").write_text(json.dumps(aime[0]) + "\n")
+  (tmp_path / "test.jsonl").write_text(json.dumps(aime[1]) + "\n")
+  (tmp_path / "README.md").write_text("# my copy of AIME 2024\n")
+  assert not pd.is_release_folder(pd.get_spec("aime24"), str(tmp_path))
+  rows, _ = convert_folder("aime24", tmp_path)
+  assert sorted(r["id"] for r in rows) == ["2024-I-1", "2024-II-15"]
+  # What `huggingface-cli download --local-dir` leaves next to the files, or a dataset card's
+  # YAML header, makes it a release: its train split is read.
+  for marker in ("card", "download"):
+    if marker == "card":
+      (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# AIME 2024\n")
+    else:
+      (tmp_path / "README.md").unlink()
+      (tmp_path / ".cache" / "huggingface").mkdir(parents=True)
+    rows, _ = convert_folder("aime24", tmp_path)
+    assert [r["id"] for r in rows] == ["2024-I-1"], marker
 
 
 def test_hub_loading_is_wired_to_the_registered_ids(monkeypatch):
@@ -455,6 +653,7 @@ def test_converted_code_tests_run_in_the_sandbox():
   rows = by_id(convert("livecodebench", "livecodebench", lcb_options())[0])
   rows.update(by_id(convert("taco", "taco.jsonl")[0]))
   rows.update(by_id(convert("humaneval_plus", "humanevalplus.jsonl")[0]))
+  rows.update(by_id(convert("humaneval_plus", "humanevalplus_assert_allclose.jsonl")[0]))
   rows.update(by_id(convert("mbpp_plus", "mbppplus.jsonl")[0]))
   solutions = {  # id: (right, wrong)
     "toy001_a": ("print(2 * int(input()))", "print(int(input()))"),
@@ -464,6 +663,8 @@ def test_converted_code_tests_run_in_the_sandbox():
     "taco-1": ("def double(x):\n    return 2 * x", "def double(x):\n    return x"),
     "HumanEval/9000": ("from typing import List\ndef mean_of(xs: List[float]) -> float:\n"
                        "    return sum(xs) / len(xs)", "def mean_of(xs):\n    return xs[0]"),
+    "HumanEval/9001": ("def halves(xs):\n    return [x * 3 / 6 for x in xs]",  # off by rounding
+                       "def halves(xs):\n    return [x / 3 for x in xs]"),
     "Mbpp/9002": ("def shared_items(a, b):\n    return tuple(sorted(set(a) & set(b)))",
                   "def shared_items(a, b):\n    return tuple(a)"),
   }  # fmt: skip

@@ -139,6 +139,7 @@ def test_categorical_law():
   np.testing.assert_array_equal(sampler.categorical(jax.random.key(2), one_hot), [49, 0])
 
 
+@pytest.mark.user_xla
 def test_logprobs_match_trainer(model, prompts, outputs):
   """Behaviour log-probs == the trainer's log-probs on prompt + response at the same temperature."""
   out = _tempered(outputs)
@@ -182,6 +183,7 @@ def test_entropy_ignores_minus_infinity_logits():
   np.testing.assert_allclose(entropy, [-(p * np.log(p)).sum(), np.log(4)], rtol=1e-5)
 
 
+@pytest.mark.user_xla
 def test_topk_sorted_and_consistent(outputs):
   out = _tempered(outputs)
   vals, ids = out.topk_logprobs, out.topk_ids
@@ -197,6 +199,7 @@ def test_topk_sorted_and_consistent(outputs):
   assert (out.logprobs[miss] <= vals[..., -1][miss] + 1e-6).all()
 
 
+@pytest.mark.user_xla
 def test_deterministic_given_rng(outputs):
   a = _tempered(outputs)
   b = outputs("tempered_again", temperature=TEMPERATURE, num_topk=4)
@@ -206,6 +209,7 @@ def test_deterministic_given_rng(outputs):
   assert (a.tokens != c.tokens).mean() > 0.5
 
 
+@pytest.mark.user_xla
 def test_greedy_matches_uncached_argmax(model, prompts, outputs):
   """Step by step: the argmax of a full no-cache forward over prompt + tokens so far."""
   out = _greedy(outputs)
@@ -250,6 +254,7 @@ def test_stop_token_and_padding(outputs):
   assert out.lengths[0] < N
 
 
+@pytest.mark.user_xla
 def test_shapes_mask_and_lengths(outputs):
   for out in (_tempered(outputs), _greedy(outputs)):
     assert out.tokens.shape == out.logprobs.shape == out.mask.shape == (len(PROMPTS), N)
@@ -261,6 +266,7 @@ def test_shapes_mask_and_lengths(outputs):
   assert _greedy(outputs).topk_ids is None
 
 
+@pytest.mark.user_xla
 def test_truncated_logprobs(model, prompts, outputs):
   """top-k + top-p: tokens come from the truncated set and the option returns its log-probs."""
   out = outputs("truncated", **TRUNCATED)

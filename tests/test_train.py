@@ -430,7 +430,7 @@ LEARNING_MARGIN = 0.1
   [
     pytest.param("tv", "mc", marks=pytest.mark.slow),
     pytest.param("kl", "binary", marks=pytest.mark.slow),
-    ("chi2", "atomic"),
+    pytest.param("chi2", "atomic", marks=pytest.mark.user_xla),
   ],
 )
 def test_policy_learns_on_a_tiny_task(
@@ -487,7 +487,8 @@ def test_reward_shaping_overlong_and_format():
   texts = ["so \\boxed{4}", "no answer", "\\boxed{4}", "\\boxed{5"]
   lengths = np.array([10, 10, 19, 20])
   same, m = envs.shape_rewards(rewards, texts, lengths, max_len=20)
-  np.testing.assert_array_equal(same, rewards) and not m
+  np.testing.assert_array_equal(same, rewards)
+  assert not m  # nothing shaped: no shaping metrics
   shaped, m = envs.shape_rewards(
     rewards, texts, lengths, max_len=20, overlong_buffer=4, format_coef=0.1
   )
