@@ -172,6 +172,15 @@ def base(
   # policy term by min(pi_old / mu, C)) or "mis" (drop tokens whose ratio leaves [1/C, C]), per
   # "token" or per "sequence" (the product of the response's ratios). mismatch/* logs the gap:
   # frac_beyond is the share of tokens with |log(pi_old / mu)| > mismatch_threshold.
+  # How rollouts and evaluations decode: "fixed" batches, or "continuous" batching over a paged KV
+  # cache (generation/continuous.py; one device for now): `slots` responses decode at once (0:
+  # every row of a rollout), pages of `page_size` cache slots, a pool of `kv_pages` pages (0: sized
+  # by the engine), `decode_chunk` steps per compiled call.
+  c.rollout.engine = "fixed"
+  c.rollout.slots = 0
+  c.rollout.page_size = 16
+  c.rollout.kv_pages = 0
+  c.rollout.decode_chunk = 32
   c.rollout.correction = "none"
   c.rollout.correction_level = "token"
   c.rollout.correction_cap = 2.0
@@ -519,6 +528,16 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.integer("rollout.num_topk", 0)
   k.choice("rollout.logprobs_mode", ("full", "sampled"))
   k.flag("rollout.recompute_logprobs")
+  k.choice("rollout.engine", ("fixed", "continuous"))
+  k.integer("rollout.slots", 0)
+  k.integer("rollout.page_size", 1)
+  k.integer("rollout.kv_pages", 0)
+  k.integer("rollout.decode_chunk", 1)
+  if 0 < c.rollout.slots < c.rollout.group_size and c.rollout.engine == "continuous":
+    k.problems.append(
+      f"rollout.slots={c.rollout.slots}: must be 0 or at least rollout.group_size="
+      f"{c.rollout.group_size} (a prompt's samples are admitted together)"
+    )
   k.choice("rollout.correction", correction.CORRECTIONS)
   k.choice("rollout.correction_level", correction.LEVELS)
   k.number("rollout.correction_cap", 1, lo_open=True)

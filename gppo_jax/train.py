@@ -32,9 +32,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import config_lib
+from gppo_jax import config_lib, errors
 from gppo_jax.algorithm import correction
-from gppo_jax.generation import sampler
+from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import sharding
 from gppo_jax.research import diagnostics
 from gppo_jax.trainer import (
@@ -210,7 +210,7 @@ def _set_up(
     env=env,
     sampling=sampling,
     spec=spec,
-    sample_fn=sampler.MeshSampler(graphdef, state_sh.params),
+    sample_fn=_sample_fn(config, graphdef, state_sh.params, mesh),
     update=update,
     logprobs=_jit_logprobs(graphdef, spec, state_sh.params, batch_sh),
     state_sh=state_sh,
@@ -276,6 +276,28 @@ def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable |
 def _iteration_keys(seed_key, iteration):
   key = jax.random.fold_in(seed_key, iteration)
   return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+
+def _sample_fn(config, graphdef, param_shardings, mesh):
+  """The sampler of rollouts and evaluations: the fixed-batch `MeshSampler`, or with
+  rollout.engine="continuous" continuous batching (one device), which hands top-K and kept-set
+  sampling to the former."""
+  fixed = sampler.MeshSampler(graphdef, param_shardings)
+  r = config.rollout
+  if r.get("engine", "fixed") != "continuous":
+    return fixed
+  if mesh.devices.size > 1:
+    raise errors.ConfigError(
+      f"rollout.engine='continuous' runs on one device for now; this mesh has "
+      f"{mesh.devices.size} ({dict(mesh.shape)}): use rollout.engine='fixed' or one device"
+    )
+  engine = continuous.EngineConfig(
+    slots=r.slots or r.prompts_per_iter * r.group_size,
+    page_size=r.page_size,
+    num_pages=r.kv_pages or None,
+    chunk=r.decode_chunk,
+  )
+  return continuous.EngineSampler(graphdef, engine, fallback=fixed)
 
 
 def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: dict):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import flax.struct
@@ -435,3 +436,48 @@ def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
   prompt + max_new_tokens slots)."""
   per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
   return rows * (prompt_len + max_new_tokens) * per_slot * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+class EngineSampler:
+  """`sampler.MeshSampler`'s call, served by continuous batching: what the trainer's rollouts
+  and evaluations call with `rollout.engine="continuous"`.
+
+  Takes the same left-padded rows (runs of `group_size` identical prompts); prompt b / G of the
+  call gets id b / G in the row keys. Settings the engine does not serve (top-K log-probs, the
+  truncated kept sets) go to `fallback`, the fixed-batch sampler. One engine (one compiled set)
+  per sampling setting.
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig, fallback=None):
+    self.graphdef = graphdef
+    self.engine = engine
+    self.fallback = fallback
+    self.batch_multiple = 1
+    self._engines: dict[sampler_lib.SamplingParams, ContinuousSampler] = {}
+    self.stats: dict[str, float] = {}
+
+  def __call__(
+    self,
+    params,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    rng: jax.Array,
+    sampling: sampler_lib.SamplingParams,
+    *,
+    group_size: int | None = None,
+  ) -> sampler_lib.SampleOutput:
+    if sampling.num_topk or sampling.kept_width:
+      if self.fallback is None:
+        raise ValueError("continuous batching records no top-K or kept sets; no fallback given")
+      return self.fallback(params, prompt_tokens, prompt_mask, rng, sampling, group_size=group_size)
+    tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
+    if group_size is None:
+      group_size = sampler_lib.detect_group_size(tokens, mask)
+    G = math.gcd(group_size, self.engine.slots)
+    prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
+    if sampling not in self._engines:
+      self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine)
+    engine = self._engines[sampling]
+    out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
+    self.stats = engine.stats
+    return out
