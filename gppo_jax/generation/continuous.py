@@ -187,6 +187,7 @@ class ContinuousSampler:
     num_pages = self.pool_pages(P, G)
     max_pages = _pages(P + N - 1, ps)
     model_cfg = _model_cfg(self.graphdef, params)
+    params = _in_compute_dtype(params, model_cfg.compute_dtype)
     state = _init_state(model_cfg, S, N, num_pages, ps, key_data.shape[1:], sp.pad_id)
 
     out_tokens = np.full((len(prompts) * G, N), sp.pad_id, np.int32)
@@ -300,9 +301,10 @@ class ContinuousSampler:
       peak_pages = max(peak_pages, in_use)
 
       # 3. Decode a chunk.
-      state = _decode(self.graphdef, sp, e.chunk, params, state, page_table, active)
+      state, steps = _decode(self.graphdef, sp, e.chunk, params, state, page_table, active)
       counters["decode_calls"] += 1
-      done_host, length[:] = jax.device_get((state.done, state.length))
+      done_host, length[:], steps = jax.device_get((state.done, state.length, steps))
+      counters["decode_steps"] += int(steps)
       finished = np.flatnonzero(active & done_host)
       if finished.size:
         # Whole [S, N] buffers: a gather of the finished rows would compile per count.
@@ -334,6 +336,15 @@ class ContinuousSampler:
 
 def _model_cfg(graphdef: nnx.GraphDef, params: nnx.State):
   return nnx.merge(graphdef, params).cfg
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
+  """The floating parameters cast to the compute dtype once per call: each decode step then
+  reads 16-bit weights instead of casting float32 ones again (every use casts them to this
+  dtype anyway, so the results are the same)."""
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
@@ -397,8 +408,9 @@ def _admit(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(graphdef, sp, chunk, params, state, page_table, active) -> SlotState:
-  """Up to `chunk` decode steps of every live slot (active and not done)."""
+def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[SlotState, jax.Array]:
+  """Up to `chunk` decode steps of every live slot (active and not done); also returns the
+  steps taken."""
   S, N = state.tokens.shape
   rows = jnp.arange(S)
   stop_ids = jnp.asarray(sp.stop_ids, jnp.int32)
@@ -428,7 +440,8 @@ def _decode(graphdef, sp, chunk, params, state, page_table, active) -> SlotState
     )
 
   cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)
-  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+  steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return state, steps
 
 
 def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
