@@ -22,7 +22,7 @@ from typing import Any
 import ml_collections
 
 from gppo_jax import errors
-from gppo_jax.algorithm import presets
+from gppo_jax.algorithm import correction, presets
 
 REQUIRED = {
   "task": ("name",),
@@ -167,6 +167,24 @@ def base(
   # renormalised (the current policy over the behaviour's kept set). README "Training".
   c.rollout.logprobs_mode = "full"
   c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
+  # With recompute_logprobs: how the update corrects for the sampler's log-probs mu differing from
+  # the trainer's pi_old (docs/math.md#rollout-correction): "none", "tis" (weight each token's
+  # policy term by min(pi_old / mu, C)) or "mis" (drop tokens whose ratio leaves [1/C, C]), per
+  # "token" or per "sequence" (the product of the response's ratios). mismatch/* logs the gap:
+  # frac_beyond is the share of tokens with |log(pi_old / mu)| > mismatch_threshold.
+  # How rollouts and evaluations decode: "fixed" batches, or "continuous" batching over a paged KV
+  # cache (generation/continuous.py; one device for now): `slots` responses decode at once (0:
+  # every row of a rollout), pages of `page_size` cache slots, a pool of `kv_pages` pages (0: sized
+  # by the engine), `decode_chunk` steps per compiled call.
+  c.rollout.engine = "fixed"
+  c.rollout.slots = 0
+  c.rollout.page_size = 16
+  c.rollout.kv_pages = 0
+  c.rollout.decode_chunk = 32
+  c.rollout.correction = "none"
+  c.rollout.correction_level = "token"
+  c.rollout.correction_cap = 2.0
+  c.rollout.mismatch_threshold = 0.1
   # DAPO's dynamic sampling (with advantage.filter_zero_signal): up to this many extra generation
   # rounds per iteration to fill the batch with groups that carry signal (0 = only mask them).
   c.rollout.refill_rounds = 0
@@ -510,6 +528,25 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   k.integer("rollout.num_topk", 0)
   k.choice("rollout.logprobs_mode", ("full", "sampled"))
   k.flag("rollout.recompute_logprobs")
+  k.choice("rollout.engine", ("fixed", "continuous"))
+  k.integer("rollout.slots", 0)
+  k.integer("rollout.page_size", 1)
+  k.integer("rollout.kv_pages", 0)
+  k.integer("rollout.decode_chunk", 1)
+  if 0 < c.rollout.slots < c.rollout.group_size and c.rollout.engine == "continuous":
+    k.problems.append(
+      f"rollout.slots={c.rollout.slots}: must be 0 or at least rollout.group_size="
+      f"{c.rollout.group_size} (a prompt's samples are admitted together)"
+    )
+  k.choice("rollout.correction", correction.CORRECTIONS)
+  k.choice("rollout.correction_level", correction.LEVELS)
+  k.number("rollout.correction_cap", 1, lo_open=True)
+  k.number("rollout.mismatch_threshold", 0, lo_open=True)
+  if c.rollout.correction != "none" and c.rollout.recompute_logprobs is not True:
+    k.problems.append(
+      f"rollout.correction={c.rollout.correction!r}: needs rollout.recompute_logprobs=True (it "
+      "weighs the sampler's log-probs against the trainer's)"
+    )
   k.integer("rollout.refill_rounds", 0)
   k.integer("rollout.staleness", 0)
   # Loss.

@@ -32,8 +32,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import config_lib
-from gppo_jax.generation import sampler
+from gppo_jax import config_lib, errors
+from gppo_jax.algorithm import correction
+from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import sharding
 from gppo_jax.research import diagnostics
 from gppo_jax.trainer import (
@@ -209,7 +210,7 @@ def _set_up(
     env=env,
     sampling=sampling,
     spec=spec,
-    sample_fn=sampler.MeshSampler(graphdef, state_sh.params),
+    sample_fn=_sample_fn(config, graphdef, state_sh.params, mesh),
     update=update,
     logprobs=_jit_logprobs(graphdef, spec, state_sh.params, batch_sh),
     state_sh=state_sh,
@@ -277,6 +278,46 @@ def _iteration_keys(seed_key, iteration):
   return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
 
+def _sample_fn(config, graphdef, param_shardings, mesh):
+  """The sampler of rollouts and evaluations: the fixed-batch `MeshSampler`, or with
+  rollout.engine="continuous" continuous batching (one device), which hands top-K and kept-set
+  sampling to the former."""
+  fixed = sampler.MeshSampler(graphdef, param_shardings)
+  r = config.rollout
+  if r.get("engine", "fixed") != "continuous":
+    return fixed
+  if mesh.devices.size > 1:
+    raise errors.ConfigError(
+      f"rollout.engine='continuous' runs on one device for now; this mesh has "
+      f"{mesh.devices.size} ({dict(mesh.shape)}): use rollout.engine='fixed' or one device"
+    )
+  engine = continuous.EngineConfig(
+    slots=r.slots or r.prompts_per_iter * r.group_size,
+    page_size=r.page_size,
+    num_pages=r.kv_pages or None,
+    chunk=r.decode_chunk,
+  )
+  return continuous.EngineSampler(graphdef, engine, fallback=fixed)
+
+
+def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: dict):
+  """The batch anchored on the trainer's log-probs (batch.logq) with `rollout.correction` applied
+  for the sampler's (`sampled`), which drew the tokens; logs mismatch/* and correction/*."""
+  metrics.update(
+    correction.mismatch_metrics(batch.logq, sampled, batch.mask, r.get("mismatch_threshold", 0.1))
+  )
+  mask, weight, corr = correction.correct(
+    batch.logq,
+    sampled,
+    batch.mask,
+    method=r.get("correction", "none"),
+    level=r.get("correction_level", "token"),
+    cap=r.get("correction_cap", 2.0),
+  )
+  metrics.update(corr)
+  return batch.replace(mask=mask, is_weight=weight if weight is not None else batch.is_weight)
+
+
 def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
   Returns the new state and the iteration's metrics (time/* for each phase)."""
@@ -307,9 +348,13 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   if run.config.rollout.recompute_logprobs or run.ref_params is not None:
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=np.zeros_like(batch.logq))  # the structure compiled for
+    if run.spec.is_weight:
+      batch = batch.replace(is_weight=np.ones_like(batch.logq))  # the structure compiled for
     on_devices = run.to_devices(batch)
     if run.config.rollout.recompute_logprobs:  # the behaviour's, by the trainer's forward pass
+      sampled = batch.logq
       batch = batch.replace(logq=sharding.to_host(run.logprobs(behaviour, on_devices)))
+      batch = _correct_mismatch(run.config.rollout, batch, sampled, metrics)
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=sharding.to_host(run.logprobs(run.ref_params, on_devices)))
   t2 = time.perf_counter()

@@ -297,3 +297,31 @@ def test_loss_finite_when_log_ratio_overflows_float32():
   )[0]
   val, g = jax.value_and_grad(fn)(lp)
   assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g)))
+
+
+def test_register_estimates_the_limits_of_a_new_generator(monkeypatch):
+  """Without f_at_zero / slope_at_inf, register estimates them: the slope at infinity of a
+  generator that squares t (triangular discrimination, (t - 1)^2 / (t + 1): slope 1) stays finite,
+  slowly converging ones (squared Hellinger: 1) are found, and super-linear ones are inf."""
+  import math
+
+  import pytest
+
+  from gppo_jax.algorithm import divergences
+
+  # The registrations below are undone after the test.
+  monkeypatch.setattr(divergences._REGISTRY, "_items", dict(divergences._REGISTRY._items))
+  cases = {
+    "triangular": (lambda t: (t - 1) ** 2 / (t + 1), 1.0),
+    "hellinger_sq": (lambda t: (jnp.sqrt(t) - 1) ** 2, 1.0),
+    "tv_half": (lambda t: 0.5 * jnp.abs(t - 1), 0.5),
+    "kl_like": (lambda t: t * jnp.log(t) - t + 1, math.inf),
+    "chi2_like": (lambda t: (t - 1) ** 2, math.inf),
+  }
+  for name, (f, slope) in cases.items():
+    div = divergences.register(f"_test_{name}", f, validate=False, overwrite=True)
+    if math.isinf(slope):
+      assert math.isinf(div.slope_at_inf), name
+    else:
+      assert div.slope_at_inf == pytest.approx(slope, rel=2e-3), name
+  assert divergences.get("_test_triangular").f_at_zero == pytest.approx(1.0)

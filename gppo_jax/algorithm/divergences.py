@@ -184,6 +184,16 @@ def check_generator(name: str, f: Callable[[Array], Array]) -> None:
     )
 
 
+def _estimate_slope_at_inf(f: Callable[[Array], Array]) -> float:
+  """lim f(t) / t as t -> inf, from f(t) / t at t = 1e6 and 1e12: their common value when they
+  agree to 1%, else inf (f grows faster than t, as t log t or t^2 do). Moderate t keeps f finite
+  in float32 where a generator squares t (t^2 at t = 1e30 overflows)."""
+  lo, hi = (float(f(jnp.asarray(t, jnp.float32))) / t for t in (1e6, 1e12))
+  if math.isfinite(hi) and math.isfinite(lo) and abs(hi - lo) <= 0.01 * max(1.0, abs(hi)):
+    return hi
+  return math.inf
+
+
 def register(
   name: str,
   f: Callable[[Array], Array],
@@ -209,10 +219,7 @@ def register(
   if f_at_zero is None:
     f_at_zero = float(f(jnp.asarray(1e-30, jnp.float32)))
   if slope_at_inf is None:
-    big = 1e30
-    slope_at_inf = float(f(jnp.asarray(big, jnp.float32))) / big
-    if not math.isfinite(slope_at_inf) or slope_at_inf > 1e6:
-      slope_at_inf = math.inf
+    slope_at_inf = _estimate_slope_at_inf(f)
   div = Divergence(
     name=name,
     f=f,

@@ -160,6 +160,7 @@ def policy_loss(
   entropy: Array | None = None,
   normalizer: Array | float | None = None,
   estimator_kwargs: dict[str, Any] | None = None,
+  token_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """GPPO's clipped surrogate loss and its metrics.
 
@@ -177,6 +178,8 @@ def policy_loss(
     normalizer: if given, loss = sum / normalizer (use the full batch's count under gradient
       accumulation); otherwise loss = sum / count of this batch.
     estimator_kwargs: the per-token inputs of estimators such as "topk" or "exact".
+    token_weight: [B, T] constant weights of the policy term (the rollout correction's truncated
+      importance weights, `correction.correct`); the KL and entropy terms are not weighted.
 
   Returns:
     (loss, metrics): metrics is a flat dict of scalars, including "loss/sum" and "loss/count".
@@ -209,7 +212,7 @@ def policy_loss(
     raise ValueError(
       f"advantages must be [batch] or [batch, tokens] = {logp.shape}, got {advantages.shape}"
     )
-  for name, arr in (("ref_logp", ref_logp), ("entropy", entropy)):
+  for name, arr in (("ref_logp", ref_logp), ("entropy", entropy), ("token_weight", token_weight)):
     if arr is not None and jnp.shape(arr) != logp.shape:
       raise ValueError(f"{name} must have shape {logp.shape}, got {jnp.shape(arr)}")
   div = divs.get(loss.divergence)
@@ -241,6 +244,10 @@ def policy_loss(
   else:
     weight = ratio
   per_token_policy = -keep * weight * advantages
+  if token_weight is not None:
+    per_token_policy = per_token_policy * jax.lax.stop_gradient(
+      jnp.asarray(token_weight, jnp.float32)
+    )
   per_token = per_token_policy
 
   metrics: dict[str, Array] = {}

@@ -159,6 +159,7 @@ class SamplerState:
   topk_ids: jax.Array | None
   kept_ids: jax.Array | None = None
   entropy: jax.Array | None = None
+  limit: jax.Array | None = None  # int32 [B]: each row's own max_new_tokens (row_limits)
 
 
 def left_pad(
@@ -235,6 +236,38 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
   return _draw(key, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))
 
 
+def row_keys(key: jax.Array, prompt_ids: np.ndarray, sample_ids: np.ndarray) -> jax.Array:
+  """Typed key array [B]: row b's key fold_in(fold_in(key, prompt_ids[b]), sample_ids[b]).
+
+  A response drawn with its row key depends only on (params, prompt, key, prompt id, sample id):
+  not on the row's batch, slot or neighbours (batch-invariant sampling)."""
+  if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+  fold = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(key, p), s))
+  return fold(jnp.asarray(prompt_ids, jnp.uint32), jnp.asarray(sample_ids, jnp.uint32))
+
+
+def is_row_keys(key: jax.Array) -> bool:
+  """Whether `key` is a [B] typed key array (one key per row) rather than one key."""
+  return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+
+def step_keys(key: jax.Array, step: jax.Array) -> jax.Array:
+  """The key of token `step` (a scalar, or [B] with row keys): fold_in(key, step), per row for
+  row keys."""
+  if is_row_keys(key):
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), key.shape)
+    return jax.vmap(jax.random.fold_in)(key, step)
+  return jax.random.fold_in(key, step)
+
+
+def _uniforms(key: jax.Array, batch: int) -> jax.Array:
+  """float32 [B, 1] uniforms in [0, 1): from one key for the whole batch, or one per row key."""
+  if is_row_keys(key):
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)[:, None]
+  return jax.random.uniform(key, (batch, 1), jnp.float32)
+
+
 def _draw(key: jax.Array, weights: jax.Array) -> jax.Array:
   """Inverse-CDF draw from unnormalised weights >= 0 [B, V] (some positive in every row).
 
@@ -249,7 +282,7 @@ def _draw(key: jax.Array, weights: jax.Array) -> jax.Array:
   w = weights.reshape(batch, n, block)
   mass = w.sum(-1)  # [B, n]
   cum = jnp.cumsum(mass, axis=-1)
-  u = jax.random.uniform(key, (batch, 1), jnp.float32) * cum[:, -1:]
+  u = _uniforms(key, batch) * cum[:, -1:]
   # Rounding can push u to the end of the range: clamp to the last block / token with mass.
   j = jnp.minimum(jnp.sum(cum <= u, axis=-1), _last_positive(mass))
   before = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0)
@@ -328,6 +361,8 @@ def _record(
   if kept is not None:
     updates["kept_ids"] = put(state.kept_ids, jnp.where(live[:, None], kept, -1))
   stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
+  if state.limit is not None:
+    stopped = stopped | (state.step + 1 >= state.limit)
   return state.replace(
     step=state.step + 1,
     last_token=token,
@@ -379,18 +414,24 @@ def sample(
   group_size: int = 1,
   decode_block: int = DECODE_BLOCK,
   unroll_layers: bool | None = None,
+  row_limits: jax.Array | None = None,
 ) -> SampleOutput:
   """Pure functional sampler: jit it with `graphdef`, `sampling` and the keywords static, or call
   it inside jit.
 
   prompt_tokens int32 [B, P] and prompt_mask bool [B, P] are left-padded; every row needs at least
-  one real token. Token s is drawn with key fold_in(rng, s): equal rngs give equal output, and the
+  one real token. rng is one key, or one key per row (`row_keys`, a [B] typed key array): then
+  row b's response depends on its own key only, not on its batch (batch-invariant sampling).
+  Token s is drawn with key fold_in(rng, s): equal rngs give equal output, and the
   output does not depend on `group_size` or `decode_block` (up to float rounding).
   group_size: G when rows come in B / G runs of G identical prompts (`detect_group_size`): each
   prompt's prefill runs once. Rows that differ within a run would get the run's first prompt.
   decode_block (scan decode): cache slots per key block of the decode step's attention, which
   reads the blocks up to the filled length only; >= P + max_new_tokens - 1 attends over the whole
   cache at once.
+  row_limits: int32 [B], each row's own max_new_tokens (<= sampling.max_new_tokens): a row ends
+  after that many tokens, as if it had drawn a stop token (a per-prompt budget; the rollout
+  benchmark forces long-tailed lengths this way).
   unroll_layers: the unrolled decode (module docstring): layers unrolled on a copy of each layer's
   weights (and of an untied head, transposed) made once per call (a scan's per-layer slice of the
   stacked weights is a copy at every step on CPU: up to a third of a small model's step), the
@@ -435,8 +476,9 @@ def sample(
     topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
     kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
     entropy=jnp.zeros((batch, n), jnp.float32),
+    limit=None if row_limits is None else jnp.asarray(row_limits, jnp.int32),
   )
-  state = _record(state, *_sample_token(logits, jax.random.fold_in(rng, 0), sampling), sampling)
+  state = _record(state, *_sample_token(logits, step_keys(rng, 0), sampling), sampling)
 
   def body(s: SamplerState) -> SamplerState:
     # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
@@ -449,7 +491,7 @@ def sample(
         *args, attn_mask=~s.done[:, None], cache=s.cache, cache_index=slot, cache_block=decode_block
       )
       logits = model.logits(hidden[:, 0])
-    drawn = _sample_token(logits, jax.random.fold_in(rng, s.step), sampling)
+    drawn = _sample_token(logits, step_keys(rng, s.step), sampling)
     return _record(s.replace(cache=new_cache), *drawn, sampling)
 
   s = state
@@ -478,19 +520,22 @@ def sample_jit(
   *,
   group_size: int = 1,
   decode_block: int = DECODE_BLOCK,
+  row_limits: jax.Array | None = None,
 ) -> SampleOutput:
   """`sample` compiled for the default device: one compile per (graphdef, sampling, group_size,
   decode_block, shapes), however the keywords are spelled."""
   return _sample_jit(
-    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, decode_block
-  )
+    graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, decode_block,
+    row_limits,
+  )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
-def _sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, block):
+def _sample_jit(graphdef, params, prompt_tokens, prompt_mask, rng, sampling, group_size, block,
+                row_limits):  # fmt: skip
   return sample(
     graphdef, params, prompt_tokens, prompt_mask, rng, sampling,
-    group_size=group_size, decode_block=block,
+    group_size=group_size, decode_block=block, row_limits=row_limits,
   )  # fmt: skip
 
 

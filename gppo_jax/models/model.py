@@ -228,7 +228,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   return y.reshape(*lead, *out)
 
 
-def _layer(cfg, p, x, rope, attend):
+def decoder_layer(cfg, p, x, rope, attend):
   """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
@@ -355,7 +355,7 @@ class Transformer(nnx.Module):
           values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
           return attention_lib.dense(q, keys, values, allowed)
 
-        x = _layer(cfg, p, x, rope, attend)
+        x = decoder_layer(cfg, p, x, rope, attend)
         return (x, ck, cv), None
 
       (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
@@ -400,7 +400,7 @@ class Transformer(nnx.Module):
         values[l] = jax.lax.dynamic_update_slice(values[l], new_v, (zero, zero, idx, zero))
         return attention_lib.decode_attention(q, keys[l], values[l], mask, idx)
 
-      x = _layer(cfg, p, x, rope, attend)
+      x = decoder_layer(cfg, p, x, rope, attend)
     new_cache = LayerCache(k=tuple(keys), v=tuple(values), mask=mask)
     hidden = rms_norm(x[:, 0], self.final_norm[...], cfg.rms_norm_eps)
     return head_logits(hidden, head, tied=True), new_cache
@@ -430,7 +430,7 @@ class Transformer(nnx.Module):
 
     def step(x, p):
       x = partitioning.constrain_batch(x)
-      return _layer(cfg, p, x, rope, attend), None
+      return decoder_layer(cfg, p, x, rope, attend), None
 
     if REMAT_POLICIES[remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)

@@ -44,6 +44,8 @@ class Batch:
   topk_ids: Any = None  # int32 [N, R, K]
   # The behaviour's kept set (rollout.logprobs_mode="sampled" with top-k/top-p): ids, -1 = not kept.
   kept_ids: Any = None  # int32 [N, R, top_k]
+  # rollout.correction="tis": truncated importance weights min(pi_old / mu, C) of the policy term.
+  is_weight: Any = None  # float32 [N, R]
 
   @property
   def num_rows(self) -> int:
@@ -120,6 +122,7 @@ def update_spec_from_config(config, prompt_len: int, response_len: int) -> Updat
     temperature=config.rollout.temperature,
     kept_width=kept_width(config.rollout),
     group_size=config.rollout.group_size if u.get("shuffle", "rows") == "groups" else 1,
+    is_weight=config.rollout.get("correction", "none") == "tis",
   )
 
 
@@ -166,6 +169,7 @@ def abstract_batch(
     topk_logq=s((n, R, K), jnp.float32) if spec.use_topk else None,
     topk_ids=s((n, R, K), jnp.int32) if spec.use_topk else None,
     kept_ids=s((n, R, spec.kept_width), jnp.int32) if spec.kept_width else None,
+    is_weight=s((n, R), jnp.float32) if spec.is_weight else None,
   )
 
 
@@ -322,6 +326,8 @@ class UpdateSpec:
   # (consecutive rows); each epoch shuffles whole groups, every mini- and micro-batch holds whole
   # groups, and each prompt runs through the model once per step. 1: rows are shuffled singly.
   group_size: int = 1
+  # rollout.correction="tis": the batch carries is_weight, which weights each token's policy term.
+  is_weight: bool = False
 
   @property
   def use_topk(self) -> bool:
@@ -371,6 +377,8 @@ def make_update_fn(
       extra["ref_logp"] = mb.ref_logp
     if loss_cfg.entropy_coef > 0:
       extra["entropy"] = stats["entropy"]
+    if spec.is_weight:
+      extra["token_weight"] = mb.is_weight
     return objective.policy_loss(
       stats["logprobs"], mb.logq, mb.adv, mb.mask, loss_cfg, normalizer=normalizer, **extra
     )

@@ -1,0 +1,496 @@
+"""Continuous batching: a pool of decode slots, refilled as responses finish, over a paged cache.
+
+    engine = ContinuousSampler(graphdef, sampling, EngineConfig(slots=64, page_size=16))
+    out = engine(params, prompts, key, group_size=8)   # SampleOutput, rows prompt-major
+
+A fixed batch decodes until its longest row stops, so with long-tailed response lengths most of
+its rows idle most of the time, each holding a cache of max_new_tokens slots. Here S decode slots
+run in chunks of `chunk` steps (one jitted call each; the host does no per-token work). Between
+chunks the host collects the rows that stopped, frees their slots and pages, and prefills the next
+pending prompts into the free slots: each prompt once, its G samples sharing its prompt pages
+(`paged`). Pages are handed out ahead of each chunk, so memory follows the tokens held.
+
+Batch-invariant samples: the response of sample j of prompt i is drawn with the row key
+fold_in(fold_in(key, prompt_ids[i]), j) (`sampler.row_keys`), token s with fold_in(row key, s),
+so it depends on (params, prompt, key, i, j) only, not on the slot, the slot count or the prompt
+order, and equals what `sampler.sample` draws with the same row keys (up to float rounding).
+
+When the free pages cannot cover the next chunk, the most recently admitted running rows are
+preempted: their pages are freed and they are queued again, to be regenerated from the start
+(batch invariance makes the regenerated response the same one).
+
+Compiled shapes: the decode chunk once per (sampling, slots, pages, prompt length); the prefill
+once per power-of-two count of prompts up to `prefill_rows`. Neither grows with max_new_tokens
+or the number of prompts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gppo_jax.generation import paged
+from gppo_jax.generation import sampler as sampler_lib
+from gppo_jax.models import model as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """slots: responses decoded at once. page_size: cache slots per page. num_pages: the pool's
+  pages (page 0 is reserved); None sizes it for every slot holding its prompt's share and a third
+  of max_new_tokens (rollouts whose responses run longer on average preempt and regenerate rows,
+  counted in `ContinuousSampler.stats`: then raise it). chunk: decode steps per call (a finished
+  row idles until its chunk ends). prefill_rows: the most prompts prefilled in one call."""
+
+  slots: int = 64
+  page_size: int = 16
+  num_pages: int | None = None
+  chunk: int = 32
+  prefill_rows: int = 8
+
+  def __post_init__(self):
+    for name in ("slots", "page_size", "chunk", "prefill_rows"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.num_pages is not None and self.num_pages < 2:
+      raise ValueError(
+        f"EngineConfig.num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}"
+      )
+
+
+@flax.struct.dataclass
+class SlotState:
+  """The decode slots on device. length: cache slots filled (where the next fed token goes);
+  start: the first real cache slot (after the prompt's left padding); step: response tokens
+  drawn; keys: the row keys' data."""
+
+  pool: paged.PagePool
+  last_token: jax.Array  # int32 [S]
+  position: jax.Array  # int32 [S]
+  length: jax.Array  # int32 [S]
+  start: jax.Array  # int32 [S]
+  step: jax.Array  # int32 [S]
+  limit: jax.Array  # int32 [S]: the row's max new tokens
+  done: jax.Array  # bool [S]
+  keys: jax.Array  # uint32 [S, ...]: jax.random.key_data of each row's key
+  tokens: jax.Array  # int32 [S, N]
+  logprobs: jax.Array  # float32 [S, N]
+  entropy: jax.Array  # float32 [S, N]
+
+
+def _pages(n: int, page_size: int) -> int:
+  return -(-n // page_size)
+
+
+class ContinuousSampler:
+  """Samples G responses for each of a list of prompts with continuous batching (module doc).
+
+  Rows of the output are prompt-major (row i * G + j: sample j of prompt i), right-padded with
+  pad_id after the stop token, like `sampler.SampleOutput`. One device (the default one).
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, sampling: sampler_lib.SamplingParams,
+               engine: EngineConfig = EngineConfig()):  # fmt: skip
+    if sampling.num_topk or sampling.kept_width:
+      raise ValueError(
+        "continuous batching records no top-K log-probs or kept sets yet (num_topk, "
+        "logprobs_mode='truncated' with top_k); use the fixed-batch sampler for those"
+      )
+    self.graphdef = graphdef
+    self.sampling = sampling
+    self.engine = engine
+    self.stats: dict[str, float] = {}
+
+  def pool_pages(self, prompt_len: int, group_size: int) -> int:
+    """The pool's pages: EngineConfig.num_pages, or enough for each slot's prompt share and a
+    third of max_new_tokens, and never fewer than one whole row needs."""
+    e, n = self.engine, self.sampling.max_new_tokens
+    row = _pages(prompt_len + n - 1, e.page_size)
+    if e.num_pages is not None:
+      if e.num_pages - 1 < row:
+        raise ValueError(
+          f"EngineConfig.num_pages={e.num_pages} holds fewer than the {row} pages one response "
+          f"of prompt {prompt_len} + {n} new tokens needs (plus the reserved page 0)"
+        )
+      return e.num_pages
+    prompts = _pages(e.slots, group_size) * (prompt_len // e.page_size)
+    return 1 + max(row, prompts + e.slots * _pages(n // 3 + e.chunk, e.page_size))
+
+  def warm_up(self, params: nnx.State, prompt_len: int, group_size: int = 1) -> None:
+    """Compiles every program a call with these shapes may run (the decode chunk and the
+    prefill of each power-of-two prompt count), on dummy inputs whose writes go to the trash
+    page: what a benchmark or a first rollout would otherwise compile as it goes."""
+    e, sp = self.engine, self.sampling
+    P = -(-prompt_len // e.page_size) * e.page_size
+    num_pages = self.pool_pages(P, group_size)
+    max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
+    cfg = _model_cfg(self.graphdef, params)
+    key_shape = jax.random.key_data(jax.random.key(0)).shape
+    state = _init_state(cfg, e.slots, sp.max_new_tokens, num_pages, e.page_size, key_shape,
+                        sp.pad_id)  # fmt: skip
+    m = 1
+    while True:
+      p_mask = np.ones((m, P), bool)
+      state = _admit(
+        self.graphdef, sp, params, state, np.zeros((m, P), np.int32), p_mask,
+        np.zeros((m, P // e.page_size), np.int32), np.full((m, group_size), e.slots, np.int32),
+        np.zeros((m, group_size, *key_shape), np.uint32), np.ones((m, group_size), np.int32),
+      )  # fmt: skip
+      if m >= e.prefill_rows:
+        break
+      m *= 2
+    table = np.zeros((e.slots, max_pages), np.int32)
+    jax.block_until_ready(_decode(self.graphdef, sp, e.chunk, params, state, table,
+                                  np.zeros(e.slots, bool)))  # fmt: skip
+
+  def __call__(
+    self,
+    params: nnx.State,
+    prompts: Sequence[Sequence[int]],
+    key: jax.Array,
+    *,
+    group_size: int = 1,
+    prompt_len: int | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    row_limits: np.ndarray | None = None,
+  ) -> sampler_lib.SampleOutput:
+    """prompts: token-id lists; group_size: samples per prompt; prompt_len: the padded prompt
+    length (rounded up to the page size; None: the longest prompt); prompt_ids: each prompt's
+    id in the row keys (default 0, 1, ...); row_limits: int32 [num_prompts * G], each row's own
+    max_new_tokens (as `sampler.sample`'s)."""
+    e, sp = self.engine, self.sampling
+    S, ps, N, G = e.slots, e.page_size, sp.max_new_tokens, group_size
+    if G < 1 or G > S:
+      raise ValueError(f"group_size={G} must be in [1, slots={S}]")
+    longest = max(map(len, prompts))
+    P = -(-max(prompt_len or 0, longest) // ps) * ps
+    tokens, mask = sampler_lib.left_pad(prompts, pad_id=sp.pad_id, length=P)
+    ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids)
+    keys = sampler_lib.row_keys(
+      key, np.repeat(ids, G), np.tile(np.arange(G), len(prompts))
+    )  # [num_prompts * G], prompt-major
+    key_data = np.asarray(jax.random.key_data(keys))
+    limits = np.full(len(prompts) * G, N, np.int32)
+    if row_limits is not None:
+      limits = np.asarray(row_limits, np.int32).reshape(-1)
+      if limits.shape != (len(prompts) * G,) or limits.min() < 1 or limits.max() > N:
+        raise ValueError(f"row_limits: one limit in [1, {N}] per row ({len(prompts) * G} rows)")
+    num_pages = self.pool_pages(P, G)
+    max_pages = _pages(P + N - 1, ps)
+    model_cfg = _model_cfg(self.graphdef, params)
+    params = _in_compute_dtype(params, model_cfg.compute_dtype)
+    state = _init_state(model_cfg, S, N, num_pages, ps, key_data.shape[1:], sp.pad_id)
+
+    out_tokens = np.full((len(prompts) * G, N), sp.pad_id, np.int32)
+    out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
+    out_entropy = np.zeros((len(prompts) * G, N), np.float32)
+    out_len = np.zeros(len(prompts) * G, np.int32)
+
+    free_pages = list(range(num_pages - 1, 0, -1))  # a stack; page 0 is the trash page
+    page_table = np.zeros((S, max_pages), np.int32)
+    active = np.zeros(S, bool)
+    length = np.zeros(S, np.int32)
+    slot_row = np.full(S, -1)
+    slot_unit = np.full(S, -1)
+    slot_order = np.zeros(S, np.int64)  # admission order, for preemption
+    unit_pages: dict[int, list[int]] = {}  # a prefill's prompt pages, shared by its rows
+    unit_rows: collections.Counter[int] = collections.Counter()
+    pending = collections.deque((i, list(range(G))) for i in range(len(prompts)))
+    prompt_pages_n = P // ps
+    counters = collections.Counter()
+    admitted = 0
+    peak_pages = 0
+
+    def release(slot: int) -> None:
+      own = [int(p) for p in page_table[slot, prompt_pages_n:] if p != paged.TRASH_PAGE]
+      free_pages.extend(own)
+      page_table[slot] = paged.TRASH_PAGE
+      u = int(slot_unit[slot])
+      unit_rows[u] -= 1
+      if unit_rows[u] == 0:
+        free_pages.extend(unit_pages.pop(u))
+      active[slot] = False
+      slot_unit[slot] = slot_row[slot] = -1
+
+    def pages_wanted(slot: int) -> int:
+      """Response pages the slot's next chunk may write into, beyond those it holds."""
+      upto = min(int(length[slot]) + e.chunk, P + N - 1)  # slots [0, upto) may be written
+      have = int(np.count_nonzero(page_table[slot, prompt_pages_n:]))
+      return max(0, _pages(upto, ps) - prompt_pages_n - have)
+
+    unit_id = 0
+    while pending or active.any():
+      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows.
+      units = []
+      free_slots = list(np.flatnonzero(~active))
+      first_pages = _pages(min(P + e.chunk, P + N - 1), ps) - prompt_pages_n
+      # Keep what the running rows' next chunk needs: admitting into it would only preempt them.
+      done_host = np.asarray(jax.device_get(state.done))
+      budget = len(free_pages) - sum(
+        pages_wanted(int(s)) for s in np.flatnonzero(active & ~done_host)
+      )
+      while pending and len(units) < e.prefill_rows:
+        prompt, samples = pending[0]
+        need = prompt_pages_n + len(samples) * first_pages
+        if len(samples) > len(free_slots) or need > budget:
+          break
+        pending.popleft()
+        budget -= need
+        slots = [int(free_slots.pop(0)) for _ in samples]
+        units.append((prompt, samples, slots))
+      if units:
+        m = 1 << (len(units) - 1).bit_length()
+        p_tok = np.full((m, P), sp.pad_id, np.int32)
+        p_mask = np.zeros((m, P), bool)
+        p_mask[:, -1] = True  # dummy rows: one real token
+        p_pages = np.full((m, prompt_pages_n), paged.TRASH_PAGE, np.int32)
+        slot_ids = np.full((m, G), S, np.int32)  # S: out of range, dropped
+        row_keys = np.zeros((m, G, *key_data.shape[1:]), key_data.dtype)
+        lim = np.ones((m, G), np.int32)
+        for u, (prompt, samples, slots) in enumerate(units):
+          p_tok[u], p_mask[u] = tokens[prompt], mask[prompt]
+          pages = [free_pages.pop() for _ in range(prompt_pages_n)]
+          p_pages[u] = pages
+          unit_pages[unit_id] = pages
+          for j, (sample, slot) in enumerate(zip(samples, slots, strict=True)):
+            row = prompt * G + sample
+            slot_ids[u, j] = slot
+            row_keys[u, j] = key_data[row]
+            lim[u, j] = limits[row]
+            page_table[slot] = paged.TRASH_PAGE
+            page_table[slot, :prompt_pages_n] = pages
+            active[slot], length[slot] = True, P
+            slot_row[slot], slot_unit[slot], slot_order[slot] = row, unit_id, admitted
+            unit_rows[unit_id] += 1
+            admitted += 1
+          unit_id += 1
+        state = _admit(
+          self.graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, lim
+        )
+        counters["prefill_calls"] += 1
+        counters["prefilled_prompts"] += len(units)
+      if not active.any():
+        raise RuntimeError(
+          "continuous sampler: no prompt fits the free slots and pages"
+        )  # guarded by pool_pages
+
+      # 2. Pages for the next chunk; preempt the latest-admitted rows when the pool runs short.
+      done_host = np.asarray(jax.device_get(state.done))
+      running = [int(s) for s in np.flatnonzero(active & ~done_host)]
+      while sum(pages_wanted(s) for s in running) > len(free_pages):
+        victim = max(running, key=lambda s: slot_order[s])
+        row = int(slot_row[victim])
+        pending.appendleft((row // G, [row % G]))
+        release(victim)
+        running.remove(victim)
+        counters["preempted"] += 1
+      for s in running:
+        have = int(np.count_nonzero(page_table[s, prompt_pages_n:]))
+        for i in range(pages_wanted(s)):
+          page_table[s, prompt_pages_n + have + i] = free_pages.pop()
+      in_use = num_pages - 1 - len(free_pages)
+      peak_pages = max(peak_pages, in_use)
+
+      # 3. Decode a chunk.
+      state, steps = _decode(self.graphdef, sp, e.chunk, params, state, page_table, active)
+      counters["decode_calls"] += 1
+      done_host, length[:], steps = jax.device_get((state.done, state.length, steps))
+      counters["decode_steps"] += int(steps)
+      finished = np.flatnonzero(active & done_host)
+      if finished.size:
+        # Whole [S, N] buffers: a gather of the finished rows would compile per count.
+        toks, lps, ents, steps = jax.device_get(
+          (state.tokens, state.logprobs, state.entropy, state.step)
+        )
+        rows = slot_row[finished]
+        out_tokens[rows], out_logprobs[rows] = toks[finished], lps[finished]
+        out_entropy[rows], out_len[rows] = ents[finished], steps[finished]
+        for s in finished:
+          release(int(s))
+
+    self.stats = dict(
+      counters,
+      num_pages=num_pages,
+      peak_pages=peak_pages,
+      pool_bytes=paged.pool_bytes(model_cfg, num_pages, ps),
+      prompt_len=P,
+    )
+    out_mask = np.arange(N)[None] < out_len[:, None]
+    return sampler_lib.SampleOutput(
+      tokens=out_tokens,
+      logprobs=np.where(out_mask, out_logprobs, 0.0).astype(np.float32),
+      mask=out_mask,
+      lengths=out_len,
+      entropy=np.where(out_mask, out_entropy, 0.0).astype(np.float32),
+    )
+
+
+def _model_cfg(graphdef: nnx.GraphDef, params: nnx.State):
+  return nnx.merge(graphdef, params).cfg
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
+  """The floating parameters cast to the compute dtype once per call: each decode step then
+  reads 16-bit weights instead of casting float32 ones again (every use casts them to this
+  dtype anyway, so the results are the same)."""
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _init_state(cfg, S, N, num_pages, page_size, key_shape, pad_id) -> SlotState:
+  zi = jnp.zeros((S,), jnp.int32)
+  return SlotState(
+    pool=paged.init_pool(cfg, num_pages, page_size),
+    last_token=zi,
+    position=zi,
+    length=zi,
+    start=zi,
+    step=zi,
+    limit=zi,
+    done=jnp.ones((S,), bool),
+    keys=jnp.zeros((S, *key_shape), jnp.uint32),
+    tokens=jnp.full((S, N), pad_id, jnp.int32),
+    logprobs=jnp.zeros((S, N), jnp.float32),
+    entropy=jnp.zeros((S, N), jnp.float32),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _admit(
+  graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, limits
+) -> SlotState:
+  """Prefills m prompts into their pages and starts their rows (slot_ids [m, G], out-of-range
+  ids dropped): the first token of each row drawn from the prompt's last logits."""
+  model = nnx.merge(graphdef, params)
+  m, P = p_tok.shape
+  G = slot_ids.shape[1]
+  N = sp.max_new_tokens
+  positions = model_lib.positions_from_mask(p_mask)
+  cache = model_lib.init_cache(model.cfg, m, P)
+  hidden, cache = model(p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0))
+  logits = jnp.repeat(model.logits(hidden[:, -1]).astype(jnp.float32), G, axis=0)  # [m G, V]
+  pool = paged.write_prefill(state.pool, cache, p_pages)
+  key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
+  keys = jax.random.wrap_key_data(key_data)
+  token, logprob, _, _, entropy = sampler_lib._sample_token(
+    logits, sampler_lib.step_keys(keys, 0), sp
+  )
+  slots = slot_ids.reshape(-1)
+  rep = lambda x: jnp.repeat(x, G, axis=0)
+  stop = jnp.isin(token, jnp.asarray(sp.stop_ids, jnp.int32)) if sp.stop_ids else False
+  first = lambda x, fill: jnp.full((m * G, N), fill, x.dtype).at[:, 0].set(x)
+  put = lambda buf, val: buf.at[slots].set(val.astype(buf.dtype), mode="drop")
+  return state.replace(
+    pool=pool,
+    last_token=put(state.last_token, token),
+    position=put(state.position, rep(positions[:, -1] + 1)),
+    length=put(state.length, jnp.full((m * G,), P, jnp.int32)),
+    start=put(state.start, rep(P - jnp.sum(p_mask, axis=1, dtype=jnp.int32))),
+    step=put(state.step, jnp.ones((m * G,), jnp.int32)),
+    limit=put(state.limit, limits.reshape(-1)),
+    done=put(state.done, stop | (limits.reshape(-1) <= 1)),
+    keys=put(state.keys, key_data),
+    tokens=put(state.tokens, first(token, sp.pad_id)),
+    logprobs=put(state.logprobs, first(logprob, 0.0)),
+    entropy=put(state.entropy, first(entropy, 0.0)),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[SlotState, jax.Array]:
+  """Up to `chunk` decode steps of every live slot (active and not done); also returns the
+  steps taken."""
+  S, N = state.tokens.shape
+  rows = jnp.arange(S)
+  stop_ids = jnp.asarray(sp.stop_ids, jnp.int32)
+
+  def body(carry):
+    i, s = carry
+    live = active & ~s.done
+    logits, pool = paged.decode_step(
+      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live
+    )
+    keys = sampler_lib.step_keys(jax.random.wrap_key_data(s.keys), s.step)
+    token, logprob, _, _, entropy = sampler_lib._sample_token(logits, keys, sp)
+    col = jnp.minimum(s.step, N - 1)
+    put = lambda buf, val: buf.at[rows, col].set(jnp.where(live, val, buf[rows, col]))
+    step = s.step + live
+    stopped = jnp.isin(token, stop_ids) if sp.stop_ids else False
+    return i + 1, s.replace(
+      pool=pool,
+      last_token=jnp.where(live, token, s.last_token),
+      position=s.position + live,
+      length=s.length + live,
+      step=step,
+      done=s.done | (live & (stopped | (step >= s.limit))),
+      tokens=put(s.tokens, token),
+      logprobs=put(s.logprobs, logprob),
+      entropy=put(s.entropy, entropy),
+    )
+
+  cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)
+  steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return state, steps
+
+
+def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
+  """The KV cache bytes the fixed-batch sampler holds for `rows` rows (`model.init_cache` of
+  prompt + max_new_tokens slots)."""
+  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+  return rows * (prompt_len + max_new_tokens) * per_slot * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+class EngineSampler:
+  """`sampler.MeshSampler`'s call, served by continuous batching: what the trainer's rollouts
+  and evaluations call with `rollout.engine="continuous"`.
+
+  Takes the same left-padded rows (runs of `group_size` identical prompts); prompt b / G of the
+  call gets id b / G in the row keys. Settings the engine does not serve (top-K log-probs, the
+  truncated kept sets) go to `fallback`, the fixed-batch sampler. One engine (one compiled set)
+  per sampling setting.
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig, fallback=None):
+    self.graphdef = graphdef
+    self.engine = engine
+    self.fallback = fallback
+    self.batch_multiple = 1
+    self._engines: dict[sampler_lib.SamplingParams, ContinuousSampler] = {}
+    self.stats: dict[str, float] = {}
+
+  def __call__(
+    self,
+    params,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    rng: jax.Array,
+    sampling: sampler_lib.SamplingParams,
+    *,
+    group_size: int | None = None,
+  ) -> sampler_lib.SampleOutput:
+    if sampling.num_topk or sampling.kept_width:
+      if self.fallback is None:
+        raise ValueError("continuous batching records no top-K or kept sets; no fallback given")
+      return self.fallback(params, prompt_tokens, prompt_mask, rng, sampling, group_size=group_size)
+    tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
+    if group_size is None:
+      group_size = sampler_lib.detect_group_size(tokens, mask)
+    G = math.gcd(group_size, self.engine.slots)
+    prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
+    if sampling not in self._engines:
+      self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine)
+    engine = self._engines[sampling]
+    out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
+    self.stats = engine.stats
+    return out

@@ -1,0 +1,171 @@
+"""A paged KV cache: fixed-size pages from one pool, a page table per decode slot.
+
+The pool holds every layer's keys and values as `num_pages` pages of `page_size` cache slots.
+A decode slot (one response being generated) sees a logical cache of slots 0, 1, 2, ...; its
+logical slot j lives in page `page_table[slot, j // page_size]` at offset j % page_size. A
+prompt's pages are written once by its prefill and shared, read-only, by the page tables of all
+the samples drawn from it; each sample's response tokens go to pages of its own. So memory
+follows the tokens held, not rows x max_new_tokens.
+
+Page 0 is never handed out: slots with nothing to write (empty or finished) write there, and page
+table entries past a row's pages point there, so every gather and scatter stays in bounds.
+
+Attention over a slot's pages (`paged_attention`) walks the pages up to the longest row's last
+one, gathering page i of every slot at once, with an online softmax (a traced trip count, so the
+cost follows the filled length and one compiled step serves every length).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gppo_jax.models import model as model_lib
+from gppo_jax.models.architectures import ModelConfig
+
+TRASH_PAGE = 0
+_NEG = -1e30  # finite: a page with no allowed slot must not make the running max -inf
+
+
+@flax.struct.dataclass
+class PagePool:
+  k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+  v: jax.Array  # same
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def nbytes(self) -> int:
+    return self.k.nbytes + self.v.nbytes
+
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> PagePool:
+  """An empty pool (zeros) in the model's compute dtype."""
+  shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  zeros = jnp.zeros(shape, cfg.compute_dtype)
+  return PagePool(k=zeros, v=zeros)
+
+
+def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
+  """The bytes `init_pool` allocates."""
+  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+  return num_pages * page_size * per_slot * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+def write_prefill(pool: PagePool, cache: model_lib.KVCache, pages: jax.Array) -> PagePool:
+  """The pool with a prefill's dense cache (k/v [L, M, P, K, Dh], P a multiple of the page size)
+  written to `pages` int32 [M, P // page_size] (each prompt's pages in order)."""
+  L, M, P, K, Dh = cache.k.shape
+  ps = pool.page_size
+  if P % ps:
+    raise ValueError(f"the prefill's {P} slots are not a multiple of the page size {ps}")
+  flat = pages.reshape(-1)
+  split = lambda x: x.reshape(L, M * (P // ps), ps, K, Dh).astype(pool.k.dtype)
+  return PagePool(
+    k=pool.k.at[:, flat].set(split(cache.k)), v=pool.v.at[:, flat].set(split(cache.v))
+  )
+
+
+def paged_attention(
+  q: jax.Array,
+  pool_k: jax.Array,
+  pool_v: jax.Array,
+  layer: jax.Array | int,
+  page_table: jax.Array,
+  start: jax.Array,
+  query_slot: jax.Array,
+) -> jax.Array:
+  """One query per decode slot over its own pages.
+
+  q [S, 1, H, Dh]; pool_k / pool_v [L, num_pages, page_size, K, Dh] (the new keys already
+  written); page_table int32 [S, max_pages]; start int32 [S]: the slot's first real cache slot
+  (prompts are left-padded); query_slot int32 [S]: where the query's own key was written. The
+  query attends to the cache slots start <= j <= query_slot, as the dense cache does for a
+  left-padded row. -> [S, 1, H, Dh].
+  """
+  S, _, H, Dh = q.shape
+  ps, K = pool_k.shape[2], pool_k.shape[3]
+  G = H // K
+  qh = q.reshape(S, K, G, Dh).astype(jnp.float32) * Dh**-0.5
+  rows = jnp.arange(S)
+  n_pages = jnp.max(query_slot) // ps + 1
+
+  def body(i, carry):
+    m, l, acc = carry
+    page = page_table[rows, i]  # [S]
+    kb = pool_k[layer, page].astype(jnp.float32)  # [S, ps, K, Dh]
+    vb = pool_v[layer, page].astype(jnp.float32)
+    s = jnp.einsum("skgd,spkd->skgp", qh, kb)
+    slot = i * ps + jnp.arange(ps)
+    ok = (slot[None] >= start[:, None]) & (slot[None] <= query_slot[:, None])  # [S, ps]
+    s = jnp.where(ok[:, None, None, :], s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(ok[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum("skgp,spkd->skgd", p, vb)
+    return m_new, l, acc
+
+  init = (
+    jnp.full((S, K, G), _NEG, jnp.float32),
+    jnp.zeros((S, K, G), jnp.float32),
+    jnp.zeros((S, K, G, Dh), jnp.float32),
+  )
+  _, l, acc = jax.lax.fori_loop(0, n_pages, body, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]  # every live query sees its own slot: l > 0
+  return out.reshape(S, 1, H, Dh).astype(q.dtype)
+
+
+def decode_step(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  pool: PagePool,
+  tokens: jax.Array,
+  positions: jax.Array,
+  page_table: jax.Array,
+  start: jax.Array,
+  length: jax.Array,
+  live: jax.Array,
+) -> tuple[jax.Array, PagePool]:
+  """One token per decode slot through the model over the paged cache.
+
+  tokens, positions int32 [S]: the token each slot feeds and its position; length int32 [S]: the
+  cache slot it is written to (the slot's filled length); live bool [S]: slots that step (the
+  others write to the trash page and their logits are to be ignored). Returns (float32 logits
+  [S, vocab], the pool with the new keys and values).
+  """
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  ps = pool.page_size
+  S = tokens.shape[0]
+  rows = jnp.arange(S)
+  write_page = jnp.where(live, page_table[rows, length // ps], TRASH_PAGE)
+  write_off = jnp.where(live, length % ps, 0)
+  x = jnp.take(model.embed[...], tokens[:, None], axis=0).astype(cfg.compute_dtype)
+  rope = model_lib.rope_tables(positions[:, None], cfg)
+
+  def layer_step(carry, xs):
+    x, pk, pv = carry
+    p, l = xs
+
+    def attend(q, k, v):
+      nonlocal pk, pv
+      pk = pk.at[l, write_page, write_off].set(k[:, 0].astype(pk.dtype))
+      pv = pv.at[l, write_page, write_off].set(v[:, 0].astype(pv.dtype))
+      return paged_attention(q, pk, pv, l, page_table, start, length)
+
+    x = model_lib.decoder_layer(cfg, p, x, rope, attend)
+    return (x, pk, pv), None
+
+  layer_ids = jnp.arange(cfg.num_layers)
+  (x, pk, pv), _ = jax.lax.scan(layer_step, (x, pool.k, pool.v), (model.layers.arrays(), layer_ids))
+  hidden = model_lib.rms_norm(x[:, 0], model.final_norm[...], cfg.rms_norm_eps)
+  return model.logits(hidden), PagePool(k=pk, v=pv)
