@@ -228,13 +228,13 @@ class ContinuousSampler:
       return max(0, _pages(upto, ps) - prompt_pages_n - have)
 
     unit_id = 0
+    done_host = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
     while pending or active.any():
       # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows.
       units = []
       free_slots = list(np.flatnonzero(~active))
       first_pages = _pages(min(P + e.chunk, P + N - 1), ps) - prompt_pages_n
       # Keep what the running rows' next chunk needs: admitting into it would only preempt them.
-      done_host = np.asarray(jax.device_get(state.done))
       budget = len(free_pages) - sum(
         pages_wanted(int(s)) for s in np.flatnonzero(active & ~done_host)
       )
@@ -269,6 +269,7 @@ class ContinuousSampler:
             page_table[slot] = paged.TRASH_PAGE
             page_table[slot, :prompt_pages_n] = pages
             active[slot], length[slot] = True, P
+            done_host[slot] = False  # as far as the host knows: it learns after the chunk
             slot_row[slot], slot_unit[slot], slot_order[slot] = row, unit_id, admitted
             unit_rows[unit_id] += 1
             admitted += 1
@@ -284,7 +285,6 @@ class ContinuousSampler:
         )  # guarded by pool_pages
 
       # 2. Pages for the next chunk; preempt the latest-admitted rows when the pool runs short.
-      done_host = np.asarray(jax.device_get(state.done))
       running = [int(s) for s in np.flatnonzero(active & ~done_host)]
       while sum(pages_wanted(s) for s in running) > len(free_pages):
         victim = max(running, key=lambda s: slot_order[s])
@@ -303,7 +303,8 @@ class ContinuousSampler:
       # 3. Decode a chunk.
       state, steps = _decode(self.graphdef, sp, e.chunk, params, state, page_table, active)
       counters["decode_calls"] += 1
-      done_host, length[:], steps = jax.device_get((state.done, state.length, steps))
+      done, length[:], steps = jax.device_get((state.done, state.length, steps))
+      done_host = np.array(done)
       counters["decode_steps"] += int(steps)
       finished = np.flatnonzero(active & done_host)
       if finished.size:
