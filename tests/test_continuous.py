@@ -200,3 +200,19 @@ def test_training_with_the_continuous_engine(tmp_path):
   )  # fmt: skip
   assert bad.returncode == 2, bad.stderr[-3000:]
   assert "runs on one device for now" in bad.stderr
+
+
+def test_page_table_shares_prompt_pages_and_frees_them_with_the_last_reader():
+  pages = paged.PageTable(num_pages=12, slots=3, max_pages=5, prompt_pages=2, page_size=4)
+  assert pages.in_use == 0 and len(pages.free) == 11  # page 0 is never handed out
+  shared = pages.take_prompt([0, 2])
+  assert (pages.table[0, :2] == shared).all() and (pages.table[2, :2] == shared).all()
+  pages.grow(0, upto=13)  # slots [0, 13): 4 pages, 2 of them the prompt's
+  pages.grow(2, upto=9)
+  assert pages.own_pages(0) == 2 and pages.own_pages(2) == 1 and pages.in_use == 5
+  assert pages.wanted(0, 13) == 0 and pages.wanted(0, 17) == 1
+  assert len({*pages.table[0], *pages.table[2]} - {paged.TRASH_PAGE}) == 5  # no page twice
+  pages.release(0)
+  assert pages.in_use == 3 and (pages.table[0] == paged.TRASH_PAGE).all()  # prompt still read
+  pages.release(2)
+  assert pages.in_use == 0 and sorted(pages.free) == list(range(1, 12))

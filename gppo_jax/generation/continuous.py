@@ -125,6 +125,28 @@ class ContinuousSampler:
     prompts = _pages(e.slots, group_size) * (prompt_len // e.page_size)
     return 1 + max(row, prompts + e.slots * _pages(n // 3 + e.chunk, e.page_size))
 
+  def _admit_units(self, params, state, units, pages, tokens, mask, key_data, limits, G):
+    """Prefills `units` ((prompt, sample ids, slots) each) in one call padded to a power of two
+    of prompts (dummy prompts write to the trash page and start no slot)."""
+    sp, S = self.sampling, self.engine.slots
+    P = tokens.shape[1]
+    m = 1 << (len(units) - 1).bit_length()
+    p_tok = np.full((m, P), sp.pad_id, np.int32)
+    p_mask = np.zeros((m, P), bool)
+    p_mask[:, -1] = True  # dummy prompts: one real token
+    p_pages = np.full((m, pages.prompt_pages), paged.TRASH_PAGE, np.int32)
+    slot_ids = np.full((m, G), S, np.int32)  # S: out of range, dropped
+    row_keys = np.zeros((m, G, *key_data.shape[1:]), key_data.dtype)
+    lim = np.ones((m, G), np.int32)
+    for u, (prompt, samples, slots) in enumerate(units):
+      p_tok[u], p_mask[u] = tokens[prompt], mask[prompt]
+      p_pages[u] = pages.take_prompt(slots)
+      rows = [prompt * G + j for j in samples]
+      slot_ids[u, : len(slots)] = slots
+      row_keys[u, : len(slots)] = key_data[rows]
+      lim[u, : len(slots)] = limits[rows]
+    return _admit(self.graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, lim)
+
   def warm_up(self, params: nnx.State, prompt_len: int, group_size: int = 1) -> None:
     """Compiles every program a call with these shapes may run (the decode chunk and the
     prefill of each power-of-two prompt count), on dummy inputs whose writes go to the trash
@@ -195,98 +217,53 @@ class ContinuousSampler:
     out_entropy = np.zeros((len(prompts) * G, N), np.float32)
     out_len = np.zeros(len(prompts) * G, np.int32)
 
-    free_pages = list(range(num_pages - 1, 0, -1))  # a stack; page 0 is the trash page
-    page_table = np.zeros((S, max_pages), np.int32)
+    pages = paged.PageTable(num_pages, S, max_pages, P // ps, ps)
     active = np.zeros(S, bool)
-    length = np.zeros(S, np.int32)
-    slot_row = np.full(S, -1)
-    slot_unit = np.full(S, -1)
-    slot_order = np.zeros(S, np.int64)  # admission order, for preemption
-    unit_pages: dict[int, list[int]] = {}  # a prefill's prompt pages, shared by its rows
-    unit_rows: collections.Counter[int] = collections.Counter()
+    done = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
+    length = np.zeros(S, np.int32)  # cache slots filled
+    slot_row = np.full(S, -1)  # the output row a slot generates
+    slot_order = np.zeros(S, np.int64)  # admission order: the latest are preempted first
     pending = collections.deque((i, list(range(G))) for i in range(len(prompts)))
-    prompt_pages_n = P // ps
     counters = collections.Counter()
-    admitted = 0
     peak_pages = 0
+    chunk_end = lambda slot: min(int(length[slot]) + e.chunk, P + N - 1)  # slots it may write
 
     def release(slot: int) -> None:
-      own = [int(p) for p in page_table[slot, prompt_pages_n:] if p != paged.TRASH_PAGE]
-      free_pages.extend(own)
-      page_table[slot] = paged.TRASH_PAGE
-      u = int(slot_unit[slot])
-      unit_rows[u] -= 1
-      if unit_rows[u] == 0:
-        free_pages.extend(unit_pages.pop(u))
-      active[slot] = False
-      slot_unit[slot] = slot_row[slot] = -1
+      pages.release(slot)
+      active[slot], slot_row[slot] = False, -1
 
-    def pages_wanted(slot: int) -> int:
-      """Response pages the slot's next chunk may write into, beyond those it holds."""
-      upto = min(int(length[slot]) + e.chunk, P + N - 1)  # slots [0, upto) may be written
-      have = int(np.count_nonzero(page_table[slot, prompt_pages_n:]))
-      return max(0, _pages(upto, ps) - prompt_pages_n - have)
-
-    unit_id = 0
-    done_host = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
     while pending or active.any():
-      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows.
-      units = []
+      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows,
+      # keeping the pages the running rows' next chunk needs (admitting into them would only
+      # preempt them).
       free_slots = list(np.flatnonzero(~active))
-      first_pages = _pages(min(P + e.chunk, P + N - 1), ps) - prompt_pages_n
-      # Keep what the running rows' next chunk needs: admitting into it would only preempt them.
-      budget = len(free_pages) - sum(
-        pages_wanted(int(s)) for s in np.flatnonzero(active & ~done_host)
+      budget = len(pages.free) - sum(
+        pages.wanted(s, chunk_end(s)) for s in np.flatnonzero(active & ~done)
       )
+      first = -(-min(P + e.chunk, P + N - 1) // ps) - P // ps  # a new row's first pages
+      units = []
       while pending and len(units) < e.prefill_rows:
         prompt, samples = pending[0]
-        need = prompt_pages_n + len(samples) * first_pages
+        need = P // ps + len(samples) * first
         if len(samples) > len(free_slots) or need > budget:
           break
         pending.popleft()
         budget -= need
-        slots = [int(free_slots.pop(0)) for _ in samples]
-        units.append((prompt, samples, slots))
+        units.append((prompt, samples, [int(free_slots.pop(0)) for _ in samples]))
       if units:
-        m = 1 << (len(units) - 1).bit_length()
-        p_tok = np.full((m, P), sp.pad_id, np.int32)
-        p_mask = np.zeros((m, P), bool)
-        p_mask[:, -1] = True  # dummy rows: one real token
-        p_pages = np.full((m, prompt_pages_n), paged.TRASH_PAGE, np.int32)
-        slot_ids = np.full((m, G), S, np.int32)  # S: out of range, dropped
-        row_keys = np.zeros((m, G, *key_data.shape[1:]), key_data.dtype)
-        lim = np.ones((m, G), np.int32)
-        for u, (prompt, samples, slots) in enumerate(units):
-          p_tok[u], p_mask[u] = tokens[prompt], mask[prompt]
-          pages = [free_pages.pop() for _ in range(prompt_pages_n)]
-          p_pages[u] = pages
-          unit_pages[unit_id] = pages
-          for j, (sample, slot) in enumerate(zip(samples, slots, strict=True)):
-            row = prompt * G + sample
-            slot_ids[u, j] = slot
-            row_keys[u, j] = key_data[row]
-            lim[u, j] = limits[row]
-            page_table[slot] = paged.TRASH_PAGE
-            page_table[slot, :prompt_pages_n] = pages
-            active[slot], length[slot] = True, P
-            done_host[slot] = False  # as far as the host knows: it learns after the chunk
-            slot_row[slot], slot_unit[slot], slot_order[slot] = row, unit_id, admitted
-            unit_rows[unit_id] += 1
-            admitted += 1
-          unit_id += 1
-        state = _admit(
-          self.graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, lim
-        )
+        state = self._admit_units(params, state, units, pages, tokens, mask, key_data, limits, G)
+        for prompt, samples, slots in units:
+          for sample, slot in zip(samples, slots, strict=True):
+            active[slot], done[slot], length[slot] = True, False, P
+            slot_row[slot], slot_order[slot] = prompt * G + sample, counters["admitted"]
+            counters["admitted"] += 1
         counters["prefill_calls"] += 1
         counters["prefilled_prompts"] += len(units)
-      if not active.any():
-        raise RuntimeError(
-          "continuous sampler: no prompt fits the free slots and pages"
-        )  # guarded by pool_pages
 
-      # 2. Pages for the next chunk; preempt the latest-admitted rows when the pool runs short.
-      running = [int(s) for s in np.flatnonzero(active & ~done_host)]
-      while sum(pages_wanted(s) for s in running) > len(free_pages):
+      # 2. Pages for the next chunk; preempt the latest-admitted rows when the pool runs short
+      # (they are regenerated from the start: the same response, by batch invariance).
+      running = [int(s) for s in np.flatnonzero(active & ~done)]
+      while sum(pages.wanted(s, chunk_end(s)) for s in running) > len(pages.free):
         victim = max(running, key=lambda s: slot_order[s])
         row = int(slot_row[victim])
         pending.appendleft((row // G, [row % G]))
@@ -294,19 +271,16 @@ class ContinuousSampler:
         running.remove(victim)
         counters["preempted"] += 1
       for s in running:
-        have = int(np.count_nonzero(page_table[s, prompt_pages_n:]))
-        for i in range(pages_wanted(s)):
-          page_table[s, prompt_pages_n + have + i] = free_pages.pop()
-      in_use = num_pages - 1 - len(free_pages)
-      peak_pages = max(peak_pages, in_use)
+        pages.grow(s, chunk_end(s))
+      peak_pages = max(peak_pages, pages.in_use)
 
-      # 3. Decode a chunk.
-      state, steps = _decode(self.graphdef, sp, e.chunk, params, state, page_table, active)
-      counters["decode_calls"] += 1
+      # 3. Decode a chunk, then collect the rows that stopped.
+      state, steps = _decode(self.graphdef, sp, e.chunk, params, state, pages.table, active)
       done, length[:], steps = jax.device_get((state.done, state.length, steps))
-      done_host = np.array(done)
+      done = np.array(done)
+      counters["decode_calls"] += 1
       counters["decode_steps"] += int(steps)
-      finished = np.flatnonzero(active & done_host)
+      finished = np.flatnonzero(active & done)
       if finished.size:
         # Whole [S, N] buffers: a gather of the finished rows would compile per count.
         toks, lps, ents, steps = jax.device_get(
@@ -318,6 +292,7 @@ class ContinuousSampler:
         for s in finished:
           release(int(s))
 
+    counters.pop("admitted", None)
     self.stats = dict(
       counters,
       num_pages=num_pages,

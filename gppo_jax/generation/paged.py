@@ -17,9 +17,13 @@ cost follows the filled length and one compiled step serves every length).
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gppo_jax.models import model as model_lib
@@ -169,3 +173,62 @@ def decode_step(
   (x, pk, pv), _ = jax.lax.scan(layer_step, (x, pool.k, pool.v), (model.layers.arrays(), layer_ids))
   hidden = model_lib.rms_norm(x[:, 0], model.final_norm[...], cfg.rms_norm_eps)
   return model.logits(hidden), PagePool(k=pk, v=pv)
+
+
+class PageTable:
+  """The host's bookkeeping of a pool: each slot's page table and the free pages.
+
+  A prompt's pages are taken once (`take_prompt`) and shared by the slots of its samples; they
+  return to the free stack when the last of those slots is released. A slot's response pages are
+  its own (`grow`), returned by `release`.
+  """
+
+  def __init__(self, num_pages: int, slots: int, max_pages: int, prompt_pages: int, page_size: int):
+    self.page_size = page_size
+    self.free = list(range(num_pages - 1, TRASH_PAGE, -1))  # a stack
+    self.table = np.full((slots, max_pages), TRASH_PAGE, np.int32)
+    self.prompt_pages = prompt_pages
+    self.num_pages = num_pages
+    self._share = np.full(slots, -1)  # which prompt's pages the slot reads
+    self._shared: dict[int, list[int]] = {}
+    self._users: collections.Counter[int] = collections.Counter()
+    self._next = 0
+
+  @property
+  def in_use(self) -> int:
+    return self.num_pages - 1 - len(self.free)
+
+  def take_prompt(self, slots: Sequence[int]) -> list[int]:
+    """Pages for one prompt, read by every slot of `slots` (whose tables start afresh)."""
+    pages = [self.free.pop() for _ in range(self.prompt_pages)]
+    share, self._next = self._next, self._next + 1
+    self._shared[share] = pages
+    for s in slots:
+      self.table[s] = TRASH_PAGE
+      self.table[s, : self.prompt_pages] = pages
+      self._share[s] = share
+      self._users[share] += 1
+    return pages
+
+  def own_pages(self, slot: int) -> int:
+    return int(np.count_nonzero(self.table[slot, self.prompt_pages :] != TRASH_PAGE))
+
+  def wanted(self, slot: int, upto: int) -> int:
+    """Pages the slot lacks for cache slots [0, upto)."""
+    return max(0, -(-upto // self.page_size) - self.prompt_pages - self.own_pages(slot))
+
+  def grow(self, slot: int, upto: int) -> None:
+    """Gives the slot pages (from the free stack) for cache slots [0, upto)."""
+    have = self.prompt_pages + self.own_pages(slot)
+    for i in range(self.wanted(slot, upto)):
+      self.table[slot, have + i] = self.free.pop()
+
+  def release(self, slot: int) -> None:
+    """Returns the slot's own pages, and its prompt's when no other slot reads them."""
+    self.free.extend(int(p) for p in self.table[slot, self.prompt_pages :] if p != TRASH_PAGE)
+    self.table[slot] = TRASH_PAGE
+    share = int(self._share[slot])
+    self._share[slot] = -1
+    self._users[share] -= 1
+    if self._users[share] == 0:
+      self.free.extend(self._shared.pop(share))
