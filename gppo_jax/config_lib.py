@@ -12,7 +12,6 @@ Everything else is overridden on the command line: `--config.loss.delta_high=0.0
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 import os
@@ -68,8 +67,7 @@ def parse_arg(arg: str | None, valid: Mapping[str, bool] = BASE_ARGS) -> dict[st
       continue
     key, eq, value = (s.strip() for s in part.partition("="))
     if key not in valid:
-      close = difflib.get_close_matches(key, list(valid), n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      hint = errors.did_you_mean(key, valid)
       where = f" in {arg!r}" if arg.strip() != part else ""
       raise errors.ConfigError(
         f"unknown config argument {key!r}{where}{hint}; valid: {_describe_args(valid)}"
@@ -658,8 +656,7 @@ def algorithm(name: str) -> presets.Preset:
   if name in presets.names():
     return presets.get(name)
   choices = [*GRID_CELLS, *presets.names()]
-  close = difflib.get_close_matches(name, choices, n=1)
-  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  hint = errors.did_you_mean(name, choices)
   raise errors.UnknownNameError(
     f"unknown cell {name!r} in config argument cell=NAME{hint}; valid: {', '.join(choices)}",
     kind="cell",

@@ -43,7 +43,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from gppo_jax import cli, errors
+from gppo_jax import cli, errors, files
 
 logger = logging.getLogger(__name__)
 
@@ -920,22 +920,14 @@ def convert_rows(
 
 def write_jsonl(rows: Sequence[dict], path: str) -> None:
   """Writes the rows as JSON lines, atomically (a temporary file renamed into place)."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      for row in rows:
-        line = json.dumps(row, ensure_ascii=False)
-        try:
-          line.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate in the release's text: escape it
-          line = json.dumps(row)
-        f.write(line + "\n")
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  with files.atomic_write(path, encoding="utf-8") as f:
+    for row in rows:
+      line = json.dumps(row, ensure_ascii=False)
+      try:
+        line.encode("utf-8")
+      except UnicodeEncodeError:  # a lone surrogate in the release's text: escape it
+        line = json.dumps(row)
+      f.write(line + "\n")
 
 
 def log_summary(spec: Spec, summary: Summary) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from gppo_jax import errors
+from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
 from gppo_jax.research import stats as stats
 
@@ -204,7 +204,7 @@ METRICS = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run
 
 def write_runs_csv(path: str, rows: Sequence[dict]) -> None:
   """One row per run: identity, radii, accuracies (fractions), masked share, wall time, status."""
-  with open(path, "w", newline="") as f:
+  with files.atomic_write(path, newline="") as f:
     w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
@@ -714,8 +714,7 @@ def write_outputs(out: str, sweep: dict | None = None) -> dict[str, Any]:
     raise errors.MissingFileError(f"no sweep runs under {os.path.join(out, 'runs')}")
   sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
   write_runs_csv(os.path.join(out, "runs.csv"), rows)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(results_markdown(rows, sweep))
+  files.write_atomic(os.path.join(out, "results.md"), results_markdown(rows, sweep))
   plots = write_plots(os.path.join(out, "plots"), rows)
   return {
     "runs_csv": os.path.join(out, "runs.csv"),

@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from gppo_jax import files
+
 # Figures shown on the progress bar, in this order, with short labels.
 PROGRESS_KEYS = (
   ("reward/mean", "reward"),
@@ -191,7 +193,7 @@ def truncate_jsonl(path: str, max_step: int) -> int:
       else:
         dropped += 1
   if dropped:
-    _replace(path, b"".join(kept))
+    files.write_atomic(path, b"".join(kept), fsync=True)
   return dropped
 
 
@@ -236,15 +238,6 @@ def truncate_tensorboard(log_dir: str, max_step: int) -> int:
       ]
     rewritten = b"".join(out)
     if n or len(rewritten) != len(data):
-      _replace(path, rewritten)
+      files.write_atomic(path, rewritten, fsync=True)
       dropped += n
   return dropped
-
-
-def _replace(path: str, data: bytes) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
