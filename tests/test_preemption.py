@@ -286,6 +286,11 @@ def test_resume_truncation_drops_rows_and_events_past_the_step(tmp_path):
     f.write('{"step": 6, "x"')  # torn by a kill
   assert metric_writers.truncate_jsonl(path, 3) == 3
   assert [json.loads(x)["step"] for x in open(path)] == [0, 1, 2, 3]
+  # A whole last row without its newline is kept, and the file ends on a whole line again.
+  with open(path, "a") as f:
+    f.write('{"step": 4, "x": 1e-05}')
+  assert metric_writers.truncate_jsonl(path, 4) == 0
+  assert open(path).read().endswith('{"step": 4, "x": 1e-05}\n')
   w = metric_writers.MetricWriter(str(tmp_path), total_steps=6, enabled=True, progress=False)
   for step in range(6):
     w.write(step, {"a/b": float(step), "c": 1.0})

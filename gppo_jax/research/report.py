@@ -21,6 +21,7 @@ import numpy as np
 
 from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
+from gppo_jax.data import readers
 from gppo_jax.research import stats as stats
 
 DIVERGENCES = ("tv", "kl", "hellinger", "chi2")
@@ -97,22 +98,18 @@ def read_run(path: str) -> dict[str, Any]:
   steps, curve, mask_steps, masked = [], [], [], []
   diag_sum: dict[str, float] = {}
   diag_n: dict[str, int] = {}
-  try:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-      for line in f:
-        x = json.loads(line)
-        for k, v in x.items():
-          if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
-            diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
-            diag_n[k] = diag_n.get(k, 0) + 1
-        if "eval/accuracy" in x:
-          steps.append(x["step"])
-          curve.append(x["eval/accuracy"])
-        if "trust/masked_frac_late" in x:
-          mask_steps.append(x["step"])
-          masked.append(x["trust/masked_frac_late"])
-  except (OSError, ValueError):
-    pass
+  metrics = os.path.join(path, "metrics.jsonl")
+  for x in readers.metric_rows(metrics) if os.path.isfile(metrics) else ():
+    for k, v in x.items():
+      if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
+        diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
+        diag_n[k] = diag_n.get(k, 0) + 1
+    if "eval/accuracy" in x:
+      steps.append(x["step"])
+      curve.append(x["eval/accuracy"])
+    if "trust/masked_frac_late" in x:
+      mask_steps.append(x["step"])
+      masked.append(x["trust/masked_frac_late"])
   done = isinstance(summary, dict) and not summary.get("preempted", False)
   code = record.get("exit")
   if done:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from gppo_jax import files
+from gppo_jax.data import readers
 
 # Figures shown on the progress bar, in this order, with short labels.
 PROGRESS_KEYS = (
@@ -177,23 +178,26 @@ class MetricWriter:
 
 
 def truncate_jsonl(path: str, max_step: int) -> int:
-  """Keeps the rows of `path` with step <= max_step (and only whole lines); returns rows dropped."""
-  if not os.path.exists(path):
+  """Keeps the rows of `path` with step <= max_step; returns the lines dropped (those past the
+  step, and a half-written last line). The kept rows are written back as MetricWriter writes
+  them, each on a whole line."""
+  if not os.path.exists(path) or os.path.getsize(path) == 0:
     return 0
   kept, dropped = [], 0
+  for _, row in readers.read_records(path, bad_lines="yield"):
+    try:
+      ok = int(row["step"]) <= max_step
+    except (ValueError, KeyError, TypeError):
+      ok = False  # a half-written line (readers.Unreadable) or not a row of ours
+    if ok:
+      kept.append(json.dumps(row) + "\n")
+    else:
+      dropped += 1
   with open(path, "rb") as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-        ok = line.endswith(b"\n") and int(row["step"]) <= max_step
-      except (ValueError, KeyError, TypeError):
-        ok = False  # a half-written last line
-      if ok:
-        kept.append(line)
-      else:
-        dropped += 1
-  if dropped:
-    files.write_atomic(path, b"".join(kept), fsync=True)
+    f.seek(-1, os.SEEK_END)
+    whole = f.read(1) == b"\n"  # else the next row would be appended to the last line
+  if dropped or not whole:
+    files.write_atomic(path, "".join(kept), fsync=True)
   return dropped
 
 
