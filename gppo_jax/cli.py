@@ -13,7 +13,6 @@ model folders) print `error: <message>` as a single line on stderr and exit with
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -125,8 +124,7 @@ def _unknown_override(exc: BaseException, args: Sequence[str]) -> str | None:
         return f"{arg}: {where} is not a section (it has no field {part!r})"
       if part not in keys:
         where = ".".join([flag.name, *parts[:i]])
-        close = difflib.get_close_matches(part, [str(k) for k in keys], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = errors.did_you_mean(part, keys)
         return f"{arg}: {where} has no field {part!r}{hint}; valid: {', '.join(map(str, keys))}"
       node = node[part]
   return None

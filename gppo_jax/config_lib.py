@@ -12,7 +12,6 @@ Everything else is overridden on the command line: `--config.loss.delta_high=0.0
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 import os
@@ -68,8 +67,7 @@ def parse_arg(arg: str | None, valid: Mapping[str, bool] = BASE_ARGS) -> dict[st
       continue
     key, eq, value = (s.strip() for s in part.partition("="))
     if key not in valid:
-      close = difflib.get_close_matches(key, list(valid), n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      hint = errors.did_you_mean(key, valid)
       where = f" in {arg!r}" if arg.strip() != part else ""
       raise errors.ConfigError(
         f"unknown config argument {key!r}{where}{hint}; valid: {_describe_args(valid)}"
@@ -347,70 +345,265 @@ def _is_num(x) -> bool:
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-class _Checks:
-  """Collects `field=value: must be ...` problems; NaN fails every range (comparisons are False)."""
+# --- Field rules: what each config field may hold, as data (`_field_rules`) -------------------
 
-  def __init__(self, c: ml_collections.ConfigDict):
-    self.c = c
-    self.problems: list[str] = []
 
-  def value(self, field: str):
-    node = self.c
+@dataclasses.dataclass(frozen=True)
+class Int:
+  """An integer (not a bool) in [lo, hi] (hi=None: no upper bound); None too if none_ok."""
+
+  lo: int
+  hi: int | None = None
+  none_ok: bool = False
+
+  def want(self, x) -> str | None:
+    if x is None and self.none_ok:
+      return None
+    if _is_int(x) and self.lo <= x and (self.hi is None or x <= self.hi):
+      return None
+    want = (
+      f"an integer >= {self.lo}" if self.hi is None else f"an integer in [{self.lo}, {self.hi}]"
+    )
+    return want + (" or None" if self.none_ok else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """A real number (not a bool) in a range, closed unless lo_open / hi_open; finite unless
+  finite=False; None too if none_ok. NaN fails every range (its comparisons are False).
+  note: appended to the message (what the field means)."""
+
+  lo: float
+  hi: float | None = None
+  lo_open: bool = False
+  hi_open: bool = False
+  finite: bool = True
+  none_ok: bool = False
+  note: str = ""
+
+  def want(self, x) -> str | None:
+    if x is None and self.none_ok:
+      return None
+    ok = _is_num(x) and (self.lo < x if self.lo_open else self.lo <= x)
+    ok = ok and (self.hi is None or (x < self.hi if self.hi_open else x <= self.hi))
+    if ok and (math.isfinite(x) or not self.finite):
+      return None
+    if self.hi is None:
+      want = (
+        f"{'a finite' if self.finite else 'a'} number {'>' if self.lo_open else '>='} {self.lo:g}"
+      )
+    else:
+      left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+      want = f"a number in {left}{self.lo:g}, {self.hi:g}{right}"
+    return want + (" or None" if self.none_ok else "") + self.note
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+  choices: tuple
+
+  def want(self, x) -> str | None:
+    return None if x in self.choices else "one of " + ", ".join(map(str, self.choices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  def want(self, x) -> str | None:
+    return None if isinstance(x, bool) else "True or False"
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+  """A string, non-empty unless empty_ok; None too if none_ok."""
+
+  none_ok: bool = False
+  empty_ok: bool = False
+
+  def want(self, x) -> str | None:
+    if (x is None and self.none_ok) or (isinstance(x, str) and (x or self.empty_ok)):
+      return None
+    return "a " + ("" if self.empty_ok else "non-empty ") + "string" + " or None" * self.none_ok
+
+
+@dataclasses.dataclass(frozen=True)
+class Satisfies:
+  """A value `ok(x)` accepts; `description` says which (for shapes a range cannot say)."""
+
+  ok: Any
+  description: str
+
+  def want(self, x) -> str | None:
+    return None if self.ok(x) else self.description
+
+
+def _valid_ks(x) -> bool:
+  from gppo_jax.rewards import pass_at_k
+
+  try:
+    pass_at_k.normalize_ks(x)
+  except ValueError:
+    return False
+  return True
+
+
+def _valid_seeds(x) -> bool:
+  if x is None or _is_int(x):
+    return True
+  return (
+    isinstance(x, (list, tuple))
+    and bool(x)
+    and all(_is_int(s) for s in x)
+    and len(set(x)) == len(x)
+  )
+
+
+# Sections that configs built before them may lack: their fields are then not checked.
+OPTIONAL_SECTIONS = ("profile",)
+
+
+def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+  """(field, rule) for every field `validate` checks on its own, in the order it reports them.
+  The choices come from the layers that define them (imported here, not when a config file
+  imports this module)."""
+  from gppo_jax.algorithm import objective
+  from gppo_jax.data import tasks
+  from gppo_jax.models import architectures, sharding
+  from gppo_jax.rewards import math_reward
+
+  dtypes = OneOf(tuple(architectures.DTYPES))
+  radius = Range(0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
+  overlong = []  # the overlong buffer fits in the longest response
+  if _is_int(c.rollout.max_new_tokens):
+    longest = c.rollout.max_new_tokens
+    if c.data.train_path is None and c.task.name in tasks.TASKS:  # built-in answers are short
+      longest = min(longest, tasks.get(c.task.name).max_answer_len + 1)
+    overlong = [("reward.overlong_buffer", Int(0, longest))]
+  return (
+    ("seed", Int(-(2**63))),
+    ("iterations", Int(1)),
+    ("log_every", Int(1)),
+    # Data files.
+    ("data.kind", OneOf(("math", "code"))),
+    ("data.train_path", Text(none_ok=True)),
+    ("data.eval_path", Text(none_ok=True)),
+    ("data.system_prompt", Text(none_ok=True)),
+    ("data.instruction", Text(none_ok=True)),
+    ("data.prompt_field", Text()),
+    ("data.answer_field", Text()),
+    ("data.tests_field", Text()),
+    ("data.max_prompt_tokens", Int(1)),
+    ("data.verifier_workers", Int(1)),
+    ("data.verifier_timeout_s", Range(0, lo_open=True)),
+    # Model.
+    ("model.path", Text(none_ok=True)),
+    ("model.dtype", dtypes),
+    ("model.param_dtype", dtypes),
+    ("model.remat", OneOf(architectures.REMAT_CHOICES)),
+    ("model.attention", OneOf(architectures.ATTENTION)),
+    ("model.scan_layers", Flag()),
+    ("model.cpu_matmul", OneOf(sharding.CPU_MATMULS)),
+    ("model.export_hf", Flag()),
+    # Warm start of the built-in policy.
+    ("warmstart.enabled", Flag()),
+    ("warmstart.target_accuracy", Range(0, 1)),
+    ("warmstart.max_steps", Int(0)),
+    ("warmstart.eval_every", Int(1)),
+    ("warmstart.eval_size", Int(1)),
+    ("warmstart.batch_size", Int(1)),
+    ("warmstart.lr", Range(0, lo_open=True)),
+    ("warmstart.cache_dir", Text(empty_ok=True)),
+    ("warmstart.seed", Int(-(2**63), none_ok=True)),
+    # Rollouts.
+    ("rollout.prompts_per_iter", Int(1)),
+    ("rollout.group_size", Int(2)),  # group-relative advantages need two responses per prompt
+    ("rollout.max_new_tokens", Int(1)),
+    ("rollout.temperature", Range(0, lo_open=True)),
+    ("rollout.top_p", Range(0, 1, lo_open=True)),
+    ("rollout.top_k", Int(0)),
+    ("rollout.num_topk", Int(0)),
+    ("rollout.logprobs_mode", OneOf(("full", "sampled"))),
+    ("rollout.recompute_logprobs", Flag()),
+    ("rollout.engine", OneOf(("fixed", "continuous"))),
+    ("rollout.slots", Int(0)),
+    ("rollout.page_size", Int(1)),
+    ("rollout.kv_pages", Int(0)),
+    ("rollout.decode_chunk", Int(1)),
+    ("rollout.correction", OneOf(correction.CORRECTIONS)),
+    ("rollout.correction_level", OneOf(correction.LEVELS)),
+    ("rollout.correction_cap", Range(1, lo_open=True)),
+    ("rollout.mismatch_threshold", Range(0, lo_open=True)),
+    ("rollout.refill_rounds", Int(0)),
+    ("rollout.staleness", Int(0)),
+    # Loss.
+    ("loss.delta_low", radius),
+    ("loss.delta_high", radius),
+    ("loss.aggregation", OneOf(objective.AGGREGATIONS)),
+    ("loss.max_len", Int(1, none_ok=True)),
+    ("loss.ratio_cap", Range(1, none_ok=True, note=" (cap on the importance weight)")),
+    ("loss.dual_clip", Range(1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")),
+    ("loss.kl_coef", Range(0)),
+    ("loss.entropy_coef", Range(0)),
+    # Rewards and their shaping.
+    ("reward.answer_format", OneOf(tuple(math_reward.ANSWER_FORMATS))),
+    ("reward.format_coef", Range(0, note=" (0 = off)")),
+    *overlong,
+    # Advantages.
+    ("advantage.eps", Range(0, lo_open=True, note=" (all-equal groups divide by std + eps)")),
+    ("advantage.ddof", OneOf((0, 1))),
+    ("advantage.filter_zero_signal", Flag()),
+    ("reward.overlong_filter", Flag()),
+    # Optimizer.
+    ("optim.lr", Range(0, lo_open=True)),
+    ("optim.schedule", OneOf(("constant", "cosine", "linear"))),
+    ("optim.warmup_steps", Int(0)),
+    ("optim.weight_decay", Range(0)),
+    ("optim.b1", Range(0, 1, hi_open=True)),
+    ("optim.b2", Range(0, 1, hi_open=True)),
+    ("optim.grad_clip", Range(0, none_ok=True, note=" (0 or None = no clipping)")),
+    # Update, evaluation, checkpoints.
+    ("train.epochs", Int(1)),
+    ("train.minibatches", Int(1)),
+    ("train.microbatches", Int(1)),
+    ("train.shuffle", OneOf(SHUFFLES)),
+    ("train.trim_bucket", Int(0)),
+    ("eval.every", Int(1)),
+    ("eval.num_problems", Int(1)),
+    ("eval.n", Int(0, none_ok=True)),
+    (
+      "eval.k",
+      Satisfies(_valid_ks, "an integer >= 0 or a list of integers >= 1 (the k of pass@k)"),
+    ),
+    (
+      "eval.seeds",
+      Satisfies(_valid_seeds, "None, an integer or a non-empty list of distinct integers"),
+    ),
+    ("eval.temperature", Range(0, lo_open=True)),
+    ("eval.top_p", Range(0, 1, lo_open=True)),
+    ("eval.max_new_tokens", Int(1, none_ok=True)),
+    ("eval.batch_size", Int(1)),
+    ("checkpoint.every", Int(1)),
+    ("diagnostics.every", Int(0)),
+    ("diagnostics.chunk_size", Int(1)),
+    ("checkpoint.keep", Int(1)),
+    ("profile.start", Int(0)),
+    ("profile.iterations", Int(1)),
+  )
+
+
+def _field_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """`field=value: must be ...` for each field its rule rejects."""
+  problems = []
+  for field, rule in _field_rules(c):
+    section = field.split(".")[0]
+    if section in OPTIONAL_SECTIONS and section not in c:
+      continue
+    value = c
     for part in field.split("."):
-      node = node[part]
-    return node
-
-  def bad(self, field: str, want: str) -> None:
-    self.problems.append(f"{field}={self.value(field)!r}: must be {want}")
-
-  def integer(self, field: str, lo: int, hi: int | None = None, *, none_ok: bool = False) -> None:
-    x = self.value(field)
-    if x is None and none_ok:
-      return
-    ok = _is_int(x) and lo <= x and (hi is None or x <= hi)
-    if not ok:
-      want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-      self.bad(field, want + (" or None" if none_ok else ""))
-
-  def number(
-    self,
-    field: str,
-    lo: float,
-    hi: float | None = None,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-    finite: bool = True,
-    none_ok: bool = False,
-    note: str = "",
-  ) -> None:
-    x = self.value(field)
-    if x is None and none_ok:
-      return
-    ok = _is_num(x) and (lo < x if lo_open else lo <= x)
-    ok = ok and (hi is None or (x < hi if hi_open else x <= hi))
-    ok = ok and (math.isfinite(x) or not finite)
-    if not ok:
-      if hi is None:
-        want = f"{'a finite' if finite else 'a'} number {'>' if lo_open else '>='} {lo:g}"
-      else:
-        want = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-      self.bad(field, want + (" or None" if none_ok else "") + note)
-
-  def choice(self, field: str, choices) -> None:
-    if self.value(field) not in choices:
-      self.bad(field, "one of " + ", ".join(map(str, choices)))
-
-  def flag(self, field: str) -> None:
-    if not isinstance(self.value(field), bool):
-      self.bad(field, "True or False")
-
-  def text(self, field: str, *, none_ok: bool = False, empty_ok: bool = False) -> None:
-    x = self.value(field)
-    if x is None and none_ok:
-      return
-    if not isinstance(x, str) or not (x or empty_ok):
-      self.bad(field, "a " + ("" if empty_ok else "non-empty ") + "string" + (" or None" * none_ok))
+      value = value[part]
+    want = rule.want(value)
+    if want is not None:
+      problems.append(f"{field}={value!r}: must be {want}")
+  return problems
 
 
 def _registry_name(field: str, lookup, name) -> None:
@@ -423,27 +616,6 @@ def _registry_name(field: str, lookup, name) -> None:
     ) from None
   except errors.ConfigError as e:
     raise errors.ConfigError(f"{field}: {e}") from None
-
-
-def _check_eval_lists(k: _Checks) -> None:
-  """eval.k: an int >= 0 or a list of ints >= 1; eval.seeds: None, an int or a list of distinct
-  ints."""
-  from gppo_jax.rewards import pass_at_k
-
-  try:
-    pass_at_k.normalize_ks(k.value("eval.k"))
-  except ValueError:
-    k.bad("eval.k", "an integer >= 0 or a list of integers >= 1 (the k of pass@k)")
-  seeds = k.value("eval.seeds")
-  if seeds is None or _is_int(seeds):
-    return
-  if not (
-    isinstance(seeds, (list, tuple))
-    and seeds
-    and all(_is_int(x) for x in seeds)
-    and len(set(seeds)) == len(seeds)
-  ):
-    k.bad("eval.seeds", "None, an integer or a non-empty list of distinct integers")
 
 
 def _check_eval_relations(e: ml_collections.ConfigDict) -> None:
@@ -474,9 +646,9 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax.algorithm import advantages, divergences, estimators, objective
+  from gppo_jax.algorithm import advantages, divergences, estimators
   from gppo_jax.data import envs, tasks
-  from gppo_jax.models import architectures, sharding
+  from gppo_jax.models import architectures
 
   _registry_name("loss.divergence", divergences.get, c.loss.divergence)
   _registry_name("loss.estimator", estimators.get, c.loss.estimator)
@@ -486,135 +658,32 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   for name in c.diagnostics.divergences:
     _registry_name("diagnostics.divergences", divergences.get, name)
 
-  k = _Checks(c)
-  k.integer("seed", -(2**63))
-  k.integer("iterations", 1)
-  k.integer("log_every", 1)
-  # Data files.
-  k.choice("data.kind", ("math", "code"))
-  for field in ("data.train_path", "data.eval_path", "data.system_prompt", "data.instruction"):
-    k.text(field, none_ok=True)
-  for field in ("data.prompt_field", "data.answer_field", "data.tests_field"):
-    k.text(field)
-  k.integer("data.max_prompt_tokens", 1)
-  k.integer("data.verifier_workers", 1)
-  k.number("data.verifier_timeout_s", 0, lo_open=True)
-  # Model.
-  k.text("model.path", none_ok=True)
-  k.choice("model.dtype", tuple(architectures.DTYPES))
-  k.choice("model.param_dtype", tuple(architectures.DTYPES))
-  k.choice("model.remat", architectures.REMAT_CHOICES)
-  k.choice("model.attention", architectures.ATTENTION)
-  k.flag("model.scan_layers")
-  k.choice("model.cpu_matmul", sharding.CPU_MATMULS)
-  k.flag("model.export_hf")
-  # Warm start of the built-in policy.
-  k.flag("warmstart.enabled")
-  k.number("warmstart.target_accuracy", 0, 1)
-  k.integer("warmstart.max_steps", 0)
-  k.integer("warmstart.eval_every", 1)
-  k.integer("warmstart.eval_size", 1)
-  k.integer("warmstart.batch_size", 1)
-  k.number("warmstart.lr", 0, lo_open=True)
-  k.text("warmstart.cache_dir", empty_ok=True)
-  k.integer("warmstart.seed", -(2**63), none_ok=True)
-  # Rollouts.
-  k.integer("rollout.prompts_per_iter", 1)
-  k.integer("rollout.group_size", 2)  # group-relative advantages need two responses per prompt
-  k.integer("rollout.max_new_tokens", 1)
-  k.number("rollout.temperature", 0, lo_open=True)
-  k.number("rollout.top_p", 0, 1, lo_open=True)
-  k.integer("rollout.top_k", 0)
-  k.integer("rollout.num_topk", 0)
-  k.choice("rollout.logprobs_mode", ("full", "sampled"))
-  k.flag("rollout.recompute_logprobs")
-  k.choice("rollout.engine", ("fixed", "continuous"))
-  k.integer("rollout.slots", 0)
-  k.integer("rollout.page_size", 1)
-  k.integer("rollout.kv_pages", 0)
-  k.integer("rollout.decode_chunk", 1)
-  if 0 < c.rollout.slots < c.rollout.group_size and c.rollout.engine == "continuous":
-    k.problems.append(
-      f"rollout.slots={c.rollout.slots}: must be 0 or at least rollout.group_size="
-      f"{c.rollout.group_size} (a prompt's samples are admitted together)"
+  problems = _field_problems(c)
+  r = c.rollout
+  if r.engine == "continuous" and _is_int(r.slots) and 0 < r.slots < r.group_size:
+    problems.append(
+      f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
+      "(a prompt's samples are admitted together)"
     )
-  k.choice("rollout.correction", correction.CORRECTIONS)
-  k.choice("rollout.correction_level", correction.LEVELS)
-  k.number("rollout.correction_cap", 1, lo_open=True)
-  k.number("rollout.mismatch_threshold", 0, lo_open=True)
-  if c.rollout.correction != "none" and c.rollout.recompute_logprobs is not True:
-    k.problems.append(
-      f"rollout.correction={c.rollout.correction!r}: needs rollout.recompute_logprobs=True (it "
-      "weighs the sampler's log-probs against the trainer's)"
+  if r.correction != "none" and r.recompute_logprobs is not True:
+    problems.append(
+      f"rollout.correction={r.correction!r}: needs rollout.recompute_logprobs=True (it weighs "
+      "the sampler's log-probs against the trainer's)"
     )
-  k.integer("rollout.refill_rounds", 0)
-  k.integer("rollout.staleness", 0)
-  # Loss.
-  for field in ("loss.delta_low", "loss.delta_high"):
-    k.number(field, 0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
-  k.choice("loss.aggregation", objective.AGGREGATIONS)
-  k.integer("loss.max_len", 1, none_ok=True)
-  k.number("loss.ratio_cap", 1, none_ok=True, note=" (cap on the importance weight)")
-  k.number("loss.dual_clip", 1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")
-  k.number("loss.kl_coef", 0)
-  k.number("loss.entropy_coef", 0)
-  # Rewards and their shaping.
-  from gppo_jax.rewards import math_reward
-
-  k.choice("reward.answer_format", tuple(math_reward.ANSWER_FORMATS))
-  k.number("reward.format_coef", 0, note=" (0 = off)")
-  if _is_int(c.rollout.max_new_tokens):
-    longest = c.rollout.max_new_tokens
-    if c.data.train_path is None and c.task.name in tasks.TASKS:  # built-in answers are short
-      longest = min(longest, tasks.get(c.task.name).max_answer_len + 1)
-    k.integer("reward.overlong_buffer", 0, longest)
-  # Advantages.
-  k.number("advantage.eps", 0, lo_open=True, note=" (all-equal groups divide by std + eps)")
-  k.choice("advantage.ddof", (0, 1))
-  k.flag("advantage.filter_zero_signal")
-  k.flag("reward.overlong_filter")
-  # Optimizer.
-  k.number("optim.lr", 0, lo_open=True)
-  k.choice("optim.schedule", ("constant", "cosine", "linear"))
-  k.integer("optim.warmup_steps", 0)
-  k.number("optim.weight_decay", 0)
-  k.number("optim.b1", 0, 1, hi_open=True)
-  k.number("optim.b2", 0, 1, hi_open=True)
-  k.number("optim.grad_clip", 0, none_ok=True, note=" (0 or None = no clipping)")
-  # Update, evaluation, checkpoints.
-  for field in ("train.epochs", "train.minibatches", "train.microbatches"):
-    k.integer(field, 1)
-  k.choice("train.shuffle", SHUFFLES)
-  k.integer("train.trim_bucket", 0)
-  k.integer("eval.every", 1)
-  k.integer("eval.num_problems", 1)
-  k.integer("eval.n", 0, none_ok=True)
-  _check_eval_lists(k)
-  k.number("eval.temperature", 0, lo_open=True)
-  k.number("eval.top_p", 0, 1, lo_open=True)
-  k.integer("eval.max_new_tokens", 1, none_ok=True)
-  k.integer("eval.batch_size", 1)
-  k.integer("checkpoint.every", 1)
-  k.integer("diagnostics.every", 0)
-  k.integer("diagnostics.chunk_size", 1)
-  k.integer("checkpoint.keep", 1)
-  if "profile" in c:  # configs built before it may lack the section: no profile
-    k.integer("profile.start", 0)
-    k.integer("profile.iterations", 1)
   # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
   for axis in c.mesh.keys():
     x = c.mesh[axis]
     if not (_is_int(x) and (x >= 1 or x == -1)):
-      k.bad(f"mesh.{axis}", "an integer >= 1 or -1 (the remaining devices)")
+      problems.append(f"mesh.{axis}={x!r}: must be an integer >= 1 or -1 (the remaining devices)")
   if list(c.mesh.values()).count(-1) > 1:
-    k.problems.append(f"mesh={dict(c.mesh)}: at most one axis may be -1")
+    problems.append(f"mesh={dict(c.mesh)}: at most one axis may be -1")
   if isinstance(c.data.eval_path, str):
     try:
       envs.parse_eval_paths(c.data.eval_path)
     except errors.ConfigError as e:
-      k.problems.append(str(e))
-  if k.problems:
-    raise errors.ConfigError("invalid config: " + "; ".join(k.problems))
+      problems.append(str(e))
+  if problems:
+    raise errors.ConfigError("invalid config: " + "; ".join(problems))
 
   # Relations between fields (each of them valid on its own).
   r, u = c.rollout, c.train
@@ -695,8 +764,7 @@ def algorithm(name: str) -> presets.Preset:
   if name in presets.names():
     return presets.get(name)
   choices = [*GRID_CELLS, *presets.names()]
-  close = difflib.get_close_matches(name, choices, n=1)
-  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  hint = errors.did_you_mean(name, choices)
   raise errors.UnknownNameError(
     f"unknown cell {name!r} in config argument cell=NAME{hint}; valid: {', '.join(choices)}",
     kind="cell",

@@ -11,6 +11,7 @@ file as `type(e)(text)`). This module imports nothing from the package.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -42,6 +43,12 @@ class CheckpointError(UserError):
 
 class MissingFileError(UserError, FileNotFoundError):
   """A file or folder the user pointed us to does not exist (also a FileNotFoundError)."""
+
+
+def did_you_mean(name: object, choices: Iterable[object]) -> str:
+  """` (did you mean 'x'?)` for the closest of `choices` to a mistyped `name`, or ""."""
+  close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def unknown_name(

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from gppo_jax import config_lib
+from gppo_jax import config_lib, files
 from gppo_jax.errors import UserError
 from gppo_jax.generation import sampler
 from gppo_jax.models import partitioning, sharding
@@ -200,10 +200,9 @@ def write_report(report: dict[str, Any], out: str) -> tuple[str, str]:
   ]
   json_path, md_path = os.path.join(out, "report.json"), os.path.join(out, "report.md")
   body = _finite({k: v for k, v in report.items() if k != "markdown"})
-  with open(json_path, "w") as f:
+  with files.atomic_write(json_path) as f:
     json.dump(body, f, indent=2, default=str, allow_nan=False)
-  with open(md_path, "w") as f:
-    f.write("\n".join(lines))
+  files.write_atomic(md_path, "\n".join(lines))
   return json_path, md_path
 
 

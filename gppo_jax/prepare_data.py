@@ -45,7 +45,8 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from gppo_jax import cli, errors
+from gppo_jax import cli, errors, files
+from gppo_jax.data import readers
 
 logger = logging.getLogger(__name__)
 
@@ -739,52 +740,13 @@ def format_registry() -> str:
 # Reading
 # ---------------------------------------------------------------------------------------------
 
-SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet")
+SOURCE_SUFFIXES = readers.SUFFIXES
 
 
-def read_file(path: str) -> Iterator[tuple[str, dict]]:
-  """(location, row) from a .jsonl, .json (an array, or JSON lines) or .parquet file."""
-  if path.endswith(".parquet"):
-    import pyarrow.parquet as pq
-
-    try:
-      pf = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-      raise errors.DataError(f"{path}: cannot read Parquet file ({e})") from None
-    n = 0
-    for batch in pf.iter_batches(batch_size=256):
-      for row in batch.to_pylist():
-        n += 1
-        yield f"{path}:row {n}", row
-    return
-  if path.endswith(".json"):
-    with open(path, encoding="utf-8") as f:
-      try:
-        doc = json.load(f)
-      except json.JSONDecodeError as e:
-        if e.msg != "Extra data":
-          raise errors.DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        doc = None  # JSON lines in a .json file
-    if doc is not None:
-      if not isinstance(doc, list):
-        raise errors.DataError(f"{path}: expected a JSON array of objects or JSON lines")
-      for i, row in enumerate(doc, start=1):
-        yield f"{path}:item {i}", row
-      return
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if line.strip():
-        try:
-          yield f"{path}:{lineno}", json.loads(line)
-        except json.JSONDecodeError as e:
-          yield f"{path}:{lineno}", _Unreadable(f"invalid JSON ({e.msg})")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unreadable:
-  """A source line that is not JSON: skipped and counted like any bad row."""
-
-  reason: str
+def read_file(path: str) -> Iterator[tuple[str, Any]]:
+  """(location, record) of a .jsonl, .json (an array, or JSON lines) or .parquet file; a line
+  that is not JSON comes as a `readers.Unreadable`, skipped and counted like any bad row."""
+  return readers.read_records(path, bad_lines="yield")
 
 
 # A downloaded Hugging Face dataset repo (`huggingface-cli download --repo-type dataset ID`) holds
@@ -1074,7 +1036,7 @@ def convert_rows(
       break
     summary.read += 1
     try:
-      if isinstance(raw, _Unreadable):
+      if isinstance(raw, readers.Unreadable):
         raise SkipRow(raw.reason)
       if not isinstance(raw, dict):
         raise SkipRow(f"row is a {type(raw).__name__}, not an object")
@@ -1115,22 +1077,14 @@ def convert_rows(
 
 def write_jsonl(rows: Sequence[dict], path: str) -> None:
   """Writes the rows as JSON lines, atomically (a temporary file renamed into place)."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      for row in rows:
-        line = json.dumps(row, ensure_ascii=False)
-        try:
-          line.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate in the release's text: escape it
-          line = json.dumps(row)
-        f.write(line + "\n")
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  with files.atomic_write(path, encoding="utf-8") as f:
+    for row in rows:
+      line = json.dumps(row, ensure_ascii=False)
+      try:
+        line.encode("utf-8")
+      except UnicodeEncodeError:  # a lone surrogate in the release's text: escape it
+        line = json.dumps(row)
+      f.write(line + "\n")
 
 
 def log_summary(spec: Spec, summary: Summary) -> None:

@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from gppo_jax import errors
+from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
 from gppo_jax.research.report import (
   GRID,
@@ -344,10 +344,8 @@ def run_dir(out: str, run: Run) -> str:
 
 
 def _write_json(path: str, value: Any) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
+  with files.atomic_write(path) as f:
     json.dump(value, f, indent=2, default=str)
-  os.replace(tmp, path)
 
 
 def is_done(path: str) -> bool:

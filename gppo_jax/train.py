@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import config_lib, errors
+from gppo_jax import config_lib, errors, files
 from gppo_jax.algorithm import correction
 from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import sharding
@@ -435,8 +435,9 @@ class _ProfileWindow:
 def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   t_start = time.time()
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    files.write_atomic(
+      os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2, sort_keys=True)
+    )
   log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)
   abstract = sharding.abstract_like(state, run.state_sh)
@@ -547,7 +548,8 @@ def _finish(run: Run, t_start: float, done: int) -> dict[str, Any]:
     "checkpoints": str(run.mngr.directory),
   }
   if jax.process_index() == 0:
-    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+    # Atomic: `sweep` takes a summary.json as the sign of a finished run.
+    with files.atomic_write(os.path.join(run.workdir, "summary.json")) as f:
       json.dump(summary, f, indent=2, default=str)
     _print_summary(summary, run.config)
   return summary

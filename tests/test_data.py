@@ -83,6 +83,39 @@ def test_parquet(tmp_path):
     load_dataset(str(tmp_path / "junk.parquet"))
 
 
+def test_one_reader_for_every_format(tmp_path):
+  # Parquet is streamed a batch of rows at a time: 600 rows span three batches, in order.
+  table = pa.table(
+    {"prompt": [f"q{i}" for i in range(600)], "answer": [str(i) for i in range(600)]}
+  )
+  pq.write_table(table, tmp_path / "big.parquet", row_group_size=100)
+  rows = list(data.read_rows(str(tmp_path / "big.parquet")))
+  assert [r["answer"] for _, r in rows] == [str(i) for i in range(600)]
+  assert rows[-1][0].endswith("big.parquet:row 600")
+  # A .json file holds an array (locations by item) or JSON lines.
+  (tmp_path / "a.json").write_text(json.dumps(MATH_ROWS))
+  assert [loc.rsplit(":", 1)[1] for loc, _ in data.read_rows(str(tmp_path / "a.json"))] == [
+    "item 1", "item 2", "item 3"
+  ]  # fmt: skip
+  assert load_dataset(str(tmp_path / "a.json")).examples[2].answer == "3"
+  write_jsonl(tmp_path / "l.json", MATH_ROWS)
+  assert [r for _, r in data.read_rows(str(tmp_path / "l.json"))] == MATH_ROWS
+  (tmp_path / "o.json").write_text(json.dumps({"a": 1}, indent=2))
+  with pytest.raises(DataError, match="o.json: expected a JSON array"):
+    list(data.read_records(str(tmp_path / "o.json")))
+  # The lenient modes: a bad line comes as Unreadable (prepare_data counts it) or is skipped.
+  path = write_jsonl(tmp_path / "m.jsonl", ['{"step": 1}', "{torn", "[2]"])
+  got = list(data.read_records(path, bad_lines="yield"))
+  assert got[1] == (f"{path}:2", data.Unreadable(
+    "invalid JSON (Expecting property name enclosed in double quotes)",
+    "invalid JSON (Expecting property name enclosed in double quotes at column 2)",
+  ))  # fmt: skip
+  assert [r for _, r in data.read_records(path, bad_lines="skip")] == [{"step": 1}, [2]]
+  assert list(data.metric_rows(path)) == [{"step": 1}]
+  with pytest.raises(DataError, match=r"m\.jsonl:2: invalid JSON .* at column 2"):
+    list(data.read_records(path))
+
+
 @pytest.mark.parametrize(
   "rows, pattern",
   [

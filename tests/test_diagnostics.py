@@ -313,7 +313,7 @@ def test_make_diagnostics_fn_on_a_tiny_policy(tmp_path):
   assert float(np.sum(m["diag/ratio_hist"])) == valid.sum()
   # The histogram's fields are what tensorboardX's histogram_raw takes: the trainer's writer
   # puts it in an event file, and the event read back holds it.
-  from tensorboardX.proto import event_pb2
+  from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
   hist = dg.tensorboard_histogram(jax.device_get(m))
   assert len(hist["bucket_limits"]) == len(hist["bucket_counts"]) and hist["num"] == valid.sum()
@@ -322,9 +322,7 @@ def test_make_diagnostics_fn_on_a_tiny_policy(tmp_path):
   w.close()
   (path,) = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
   got = []
-  for payload in metric_writers._records(open(path, "rb").read()):
-    event = event_pb2.Event()
-    event.ParseFromString(payload)
+  for event in LegacyEventFileLoader(path).Load():  # the events as written
     got += [(event.step, v.tag, v.histo.num) for v in event.summary.value]
   assert got == [(3, "diag/log_ratio", valid.sum())]
 

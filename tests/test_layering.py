@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "gppo_jax")
 
 LAYERS = [
-  ("foundations", {"errors", "registry", "cli", "_moved"}),
+  ("foundations", {"errors", "files", "registry", "cli", "_moved"}),
   ("algorithm", {"algorithm"}),
   ("models", {"models"}),
   ("generation", {"generation"}),

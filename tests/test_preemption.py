@@ -9,9 +9,9 @@ import concurrent.futures
 import glob
 import json
 import os
-import struct
 import subprocess
 import sys
+import time
 import types
 
 import conftest
@@ -60,17 +60,19 @@ def rows(workdir):
   return out
 
 
-def tb_events(workdir):
-  """(tag, step) of every scalar in the run's TensorBoard files."""
-  from tensorboardX.proto import event_pb2
+def tb_scalars(workdir):
+  """{tag: [(step, value)]} as TensorBoard shows the run: read by its own loader, which drops
+  what a resumed run's SessionLog.START event purges."""
+  from tensorboard.backend.event_processing import event_accumulator as ea
 
-  seen = []
-  for path in glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")):
-    for payload in metric_writers._records(open(path, "rb").read()):
-      event = event_pb2.Event()
-      event.ParseFromString(payload)
-      seen += [(v.tag, event.step) for v in event.summary.value]
-  return seen
+  acc = ea.EventAccumulator(os.path.join(workdir, "tensorboard"), size_guidance={ea.SCALARS: 0})
+  acc.Reload()
+  return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def tb_events(workdir):
+  """(tag, step) of every scalar TensorBoard shows for the run."""
+  return [(t, step) for t, points in tb_scalars(workdir).items() for step, _ in points]
 
 
 def final_state(workdir, step=ITERATIONS):
@@ -286,18 +288,25 @@ def test_resume_truncation_drops_rows_and_events_past_the_step(tmp_path):
     f.write('{"step": 6, "x"')  # torn by a kill
   assert metric_writers.truncate_jsonl(path, 3) == 3
   assert [json.loads(x)["step"] for x in open(path)] == [0, 1, 2, 3]
-  w = metric_writers.MetricWriter(str(tmp_path), total_steps=6, enabled=True, progress=False)
+  # A whole last row without its newline is kept, and the file ends on a whole line again.
+  with open(path, "a") as f:
+    f.write('{"step": 4, "x": 1e-05}')
+  assert metric_writers.truncate_jsonl(path, 4) == 0
+  assert open(path).read().endswith('{"step": 4, "x": 1e-05}\n')
+  # TensorBoard: a run logs steps 0-5 and is killed; resumed from step 2 it logs 3-5 again.
+  logs = str(tmp_path / "tb")
+  w = metric_writers.MetricWriter(logs, total_steps=6, enabled=True, progress=False)
   for step in range(6):
     w.write(step, {"a/b": float(step), "c": 1.0})
   w.close()
-  # One event per step holds all its scalars: steps 3-5 are three events.
-  assert metric_writers.truncate_tensorboard(str(tmp_path / "tensorboard"), 2) == 3
-  events = tb_events(str(tmp_path))
-  assert sorted(events) == sorted((t, s) for t in ("a/b", "c") for s in range(3))
-  # The rewritten file is still a valid record stream that TensorBoard's framing accepts.
-  data = open(glob.glob(str(tmp_path / "tensorboard" / "events.*"))[0], "rb").read()
-  (length,) = struct.unpack_from("<Q", data, 0)
-  assert 0 < length < len(data)
+  time.sleep(1.05 - time.time() % 1)  # event files are named by the second they start in
+  w = metric_writers.MetricWriter(logs, total_steps=6, resume_step=2, enabled=True, progress=False)
+  for step in range(3, 6):
+    w.write(step, {"a/b": 10.0 * step, "c": 1.0})
+  w.close()
+  assert len(glob.glob(os.path.join(logs, "tensorboard", "events.*"))) == 2  # nothing rewritten
+  assert tb_scalars(logs)["a/b"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+  assert sorted(tb_events(logs)) == sorted((t, s) for t in ("a/b", "c") for s in range(6))
 
 
 def test_metric_writer_loads_tensorboardx_without_torch_and_torch_still_imports(tmp_path):

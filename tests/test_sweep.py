@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import conftest
 import numpy as np
@@ -64,6 +65,35 @@ def test_paired_interval_is_narrower_on_correlated_data():
   assert d == pytest.approx(du)
   assert (hi - lo) < 0.3 * (uhi - ulo), (hi - lo, uhi - ulo)
   assert lo > 0 and ulo < 0  # pairing resolves a difference the unpaired interval cannot
+
+
+def test_paired_interval_is_scipys_and_skips_resamples_where_the_statistic_is_undefined():
+  from scipy import stats as sp
+
+  rng = np.random.default_rng(3)
+  shared = rng.normal(size=12)  # what two cells share through a seed
+  a, b = shared + rng.normal(0.5, 0.3, 12), shared + rng.normal(0.0, 0.3, 12)
+  point, lo, hi = st.paired_difference_ci(a, b)
+  ref = sp.bootstrap(
+    (a, b), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True, vectorized=True,
+    method="percentile", n_resamples=st.N_BOOT, rng=np.random.default_rng(0),
+  ).confidence_interval  # fmt: skip
+  width = hi - lo
+  assert point == pytest.approx(np.mean(a - b))
+  assert abs(lo - ref.low) < 0.05 * width and abs(hi - ref.high) < 0.05 * width
+  # A relative gain over a baseline whose mean is 0 on some resamples: scipy's interval is NaN,
+  # ours leaves those resamples out.
+  x = np.array([[0.3, 0.0], [0.4, 0.0], [0.5, 0.2], [0.2, 0.1], [0.6, 0.3]])
+  _, lo, hi = st.relative_gain_ci(x, [(0, 1)])
+  assert np.isfinite(lo) and np.isfinite(hi) and lo < hi
+  gain = lambda p, q, axis: st.relative_gain(np.stack([p.mean(axis), q.mean(axis)], -1), [(0, 1)])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # scipy warns that the interval cannot be computed
+    ref = sp.bootstrap(
+      (x[:, 0], x[:, 1]), gain, paired=True, vectorized=True, method="percentile",
+      rng=np.random.default_rng(0),
+    ).confidence_interval  # fmt: skip
+  assert np.isnan(ref.low) or np.isnan(ref.high)
 
 
 def test_relative_gains_average_over_pairs():

@@ -426,6 +426,27 @@ def test_train_cli_bad_value_is_one_line_after_the_host_memory_set_up(tmp_path):
   _one_error_line(run(GPPO_CPU_MEMORY="lots"), "GPPO_CPU_MEMORY='lots'; valid: keep, release")
 
 
+def test_train_cli_config_errors_come_before_anything_is_written(tmp_path):
+  """Every check that needs only the config, relations between fields included, runs before
+  the workdir, its lock, config.json or checkpoints/ exist and before the config is printed."""
+  data = tmp_path / "train.jsonl"
+  data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+  workdir = tmp_path / "run"
+  args = ["-m", "gppo_jax.train", "--config=configs/kl_atomic.py", f"--workdir={workdir}"]
+  cases = [
+    (
+      [f"--config.data.train_path={data}"],
+      "data.train_path is set but model.path is not: data files need the model's tokenizer",
+    ),
+    (["--config.train.minibatches=3"], "must be divisible by train.minibatches"),
+  ]
+  for extra, words in cases:
+    p = _run([*args, *extra], REPO)
+    _one_error_line(p, words)
+    assert not p.stdout.strip(), p.stdout  # the config is not printed
+    assert not workdir.exists(), sorted(os.listdir(workdir))
+
+
 def test_plan_cli_rejects_bad_config_before_any_work():
   p = _run(["-m", "gppo_jax.plan", "--config=configs/kl_atomic.py:smok"], REPO)
   _one_error_line(p, "unknown config argument 'smok'", "did you mean 'smoke'")

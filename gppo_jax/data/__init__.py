@@ -1,7 +1,7 @@
 """Data and environments (plain Python; no JAX).
 
 - `tasks`: the built-in synthetic tasks (`addsub3`, ...).
-- `readers`: JSONL and Parquet readers for prompt/answer datasets.
+- `readers`: the JSONL / JSON / Parquet reader, and prompt/answer datasets.
 - `envs`: a built-in task or a dataset plus its reward, behind one `Env` interface.
 """
 

@@ -83,53 +83,123 @@ class Dataset:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_rows(path: str) -> Iterator[tuple[str, dict]]:
-  """Yield (location, row) from a .jsonl/.json-lines or .parquet file; location is "path:line".
+SUFFIXES = (".jsonl", ".json", ".parquet")
 
-  JSONL: one JSON object per line, blank lines skipped; Parquet: row numbers count from 1.
+
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+  """A line of a JSON-lines file that is not JSON (or not UTF-8), in place of its record.
+  `reason` is the same for every line with the same fault (it is counted); `message` adds where
+  on the line."""
+
+  reason: str
+  message: str
+
+
+def read_records(path: str, *, bad_lines: str = "raise") -> Iterator[tuple[str, Any]]:
+  """(location, record) for every record of a file, streamed; the one reader of the package's
+  JSON lines, JSON arrays and Parquet files (datasets, prepare_data's sources, metrics.jsonl).
+
+  .parquet: one record per row, read a batch of rows at a time; location "path:row N".
+  .json: a JSON array, one record per item ("path:item N"), or else JSON lines.
+  Any other name: JSON lines, one JSON value per line, blank lines skipped ("path:N").
+  bad_lines: what a line that is not JSON or not UTF-8 does: "raise" a DataError naming
+    path:line, "yield" an `Unreadable` as its record, or "skip" it (a torn last line of a
+    metrics.jsonl that a killed run was writing).
+  Records are yielded as parsed (not only dicts); the callers check their shape.
   """
+  if bad_lines not in ("raise", "yield", "skip"):
+    raise ValueError(f"bad_lines must be 'raise', 'yield' or 'skip', got {bad_lines!r}")
   if not os.path.exists(path):
     raise DataError(f"{path}: no such file")
   if os.path.isdir(path):
-    raise DataError(f"{path}: is a folder; expected a .jsonl or .parquet file")
+    raise DataError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
   if path.endswith(".parquet"):
-    yield from _read_parquet(path)
+    yield from _parquet_records(path)
     return
-  found = False
+  if path.endswith(".json"):
+    doc = _json_document(path)
+    if isinstance(doc, list):
+      for i, record in enumerate(doc, start=1):
+        yield f"{path}:item {i}", record
+      return
   with open(path, "rb") as f:
     for lineno, raw in enumerate(f, start=1):
       loc = f"{path}:{lineno}"
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
-        raise DataError(
-          f"{loc}: not UTF-8 text ({e.reason}); expected JSON lines or a .parquet file"
-        ) from None
-      if not line.strip():
-        continue
+        bad = Unreadable(
+          "not UTF-8 text", f"not UTF-8 text ({e.reason}); expected JSON lines or a .parquet file"
+        )
+      else:
+        if not line.strip():
+          continue
+        try:
+          yield loc, json.loads(line)
+          continue
+        except json.JSONDecodeError as e:
+          bad = Unreadable(f"invalid JSON ({e.msg})", f"invalid JSON ({e.msg} at column {e.colno})")
+      if bad_lines == "raise":
+        raise DataError(f"{loc}: {bad.message}")
+      if bad_lines == "yield":
+        yield loc, bad
+
+
+def _json_document(path: str) -> Any:
+  """The whole .json file parsed, or None when it holds JSON lines (several values)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    doc = json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError:
+    return None  # the line reader names the line
+  except json.JSONDecodeError as e:
+    if e.msg != "Extra data":
+      raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    return None
+  if isinstance(doc, list) or (isinstance(doc, dict) and b"\n" not in data.strip()):
+    return doc  # an array, or one object on one line: JSON lines with one row
+  raise DataError(f"{path}: expected a JSON array of objects or JSON lines")
+
+
+def _parquet_records(path: str) -> Iterator[tuple[str, dict]]:
+  import pyarrow.parquet as pq
+
+  try:
+    batches = pq.ParquetFile(path).iter_batches(batch_size=256)
+    n = 0
+    while True:
       try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(row, dict):
-        raise DataError(f"{loc}: expected a JSON object per line, got {type(row).__name__}")
-      found = True
-      yield loc, row
+        batch = next(batches)
+      except StopIteration:
+        return
+      for row in batch.to_pylist():
+        n += 1
+        yield f"{path}:row {n}", row
+  except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+    raise DataError(f"{path}: cannot read Parquet file ({e})") from None
+
+
+def read_rows(path: str) -> Iterator[tuple[str, dict]]:
+  """Yield (location, row) of a dataset file (`read_records`), every record a JSON object;
+  a bad line, a record that is not an object, or a file without rows is a DataError."""
+  found = False
+  for loc, row in read_records(path):
+    if not isinstance(row, dict):
+      raise DataError(f"{loc}: expected a JSON object per line, got {type(row).__name__}")
+    found = True
+    yield loc, row
   if not found:
     raise DataError(f"{path}: file has no rows")
 
 
-def _read_parquet(path: str) -> Iterator[tuple[str, dict]]:
-  import pyarrow.parquet as pq
-
-  try:
-    table = pq.read_table(path)
-  except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-    raise DataError(f"{path}: cannot read Parquet file ({e})") from None
-  if table.num_rows == 0:
-    raise DataError(f"{path}: file has no rows")
-  for i, row in enumerate(table.to_pylist(), start=1):
-    yield f"{path}:row {i}", row
+def metric_rows(path: str) -> Iterator[dict]:
+  """The rows of a metrics.jsonl: JSON objects, skipping lines that are not (the torn last line
+  of a run killed while writing it)."""
+  for _, row in read_records(path, bad_lines="skip"):
+    if isinstance(row, dict):
+      yield row
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from gppo_jax import errors
+from gppo_jax import errors, files
 from gppo_jax.models import partitioning
 from gppo_jax.models import tokenizer as tokenizer_lib
 from gppo_jax.models.architectures import ModelConfig, config_from_hf, config_to_hf
@@ -430,8 +430,9 @@ def save_model(
       weight_map.update({k: fname for k in shard})
     total = sum(a.nbytes for s in shards for a in s.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-  (path / CONFIG_FILE).write_text(json.dumps(_hf_config(cfg, dtype, base), indent=2) + "\n")
+    files.write_atomic(str(path / INDEX_FILE), json.dumps(index, indent=2) + "\n")
+  hf_config = json.dumps(_hf_config(cfg, dtype, base), indent=2) + "\n"
+  files.write_atomic(str(path / CONFIG_FILE), hf_config)
   if source is not None:
     for fname in TOKENIZER_FILES:
       src = Path(source) / fname
@@ -442,5 +443,5 @@ def save_model(
     gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": pad}
     eos = list(cfg.eos_token_ids)
     gen["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    files.write_atomic(str(path / "generation_config.json"), json.dumps(gen, indent=2) + "\n")
   return path

@@ -30,7 +30,6 @@ estimator from the diag/* rows of WORKDIR/metrics.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -46,6 +45,7 @@ from gppo_jax import cli, errors
 from gppo_jax.algorithm import divergences as divs
 from gppo_jax.algorithm import estimators as ests
 from gppo_jax.algorithm import objective
+from gppo_jax.data import readers
 from gppo_jax.models import model as model_lib
 
 Array = jax.Array
@@ -540,21 +540,16 @@ def read_diag_rows(path: str, prefix: str = "diag") -> list[dict[str, float]]:
   if not os.path.isfile(path):
     raise errors.MissingFileError(f"no metrics file at {path}")
   rows = []
-  with open(path) as fh:
-    for line in fh:
+  for row in readers.metric_rows(path):
+    if f"{prefix}/exact/mean" not in row:
+      continue
+    clean = {}
+    for k, v in row.items():
       try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
+        clean[k] = float(v)
+      except (TypeError, ValueError):
         continue
-      if f"{prefix}/exact/mean" not in row:
-        continue
-      clean = {}
-      for k, v in row.items():
-        try:
-          clean[k] = float(v)
-        except (TypeError, ValueError):
-          continue
-      rows.append(clean)
+    rows.append(clean)
   if not rows:
     raise errors.UserError(
       f"{path} has no rows with {prefix}/exact/mean: was the run logged with diagnostics on?"

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from gppo_jax import errors
+from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
+from gppo_jax.data import readers
 from gppo_jax.research import stats as stats
 
 DIVERGENCES = ("tv", "kl", "hellinger", "chi2")
@@ -97,22 +98,18 @@ def read_run(path: str) -> dict[str, Any]:
   steps, curve, mask_steps, masked = [], [], [], []
   diag_sum: dict[str, float] = {}
   diag_n: dict[str, int] = {}
-  try:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-      for line in f:
-        x = json.loads(line)
-        for k, v in x.items():
-          if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
-            diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
-            diag_n[k] = diag_n.get(k, 0) + 1
-        if "eval/accuracy" in x:
-          steps.append(x["step"])
-          curve.append(x["eval/accuracy"])
-        if "trust/masked_frac_late" in x:
-          mask_steps.append(x["step"])
-          masked.append(x["trust/masked_frac_late"])
-  except (OSError, ValueError):
-    pass
+  metrics = os.path.join(path, "metrics.jsonl")
+  for x in readers.metric_rows(metrics) if os.path.isfile(metrics) else ():
+    for k, v in x.items():
+      if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
+        diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
+        diag_n[k] = diag_n.get(k, 0) + 1
+    if "eval/accuracy" in x:
+      steps.append(x["step"])
+      curve.append(x["eval/accuracy"])
+    if "trust/masked_frac_late" in x:
+      mask_steps.append(x["step"])
+      masked.append(x["trust/masked_frac_late"])
   done = isinstance(summary, dict) and not summary.get("preempted", False)
   code = record.get("exit")
   if done:
@@ -204,7 +201,7 @@ METRICS = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run
 
 def write_runs_csv(path: str, rows: Sequence[dict]) -> None:
   """One row per run: identity, radii, accuracies (fractions), masked share, wall time, status."""
-  with open(path, "w", newline="") as f:
+  with files.atomic_write(path, newline="") as f:
     w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
@@ -714,8 +711,7 @@ def write_outputs(out: str, sweep: dict | None = None) -> dict[str, Any]:
     raise errors.MissingFileError(f"no sweep runs under {os.path.join(out, 'runs')}")
   sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
   write_runs_csv(os.path.join(out, "runs.csv"), rows)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(results_markdown(rows, sweep))
+  files.write_atomic(os.path.join(out, "results.md"), results_markdown(rows, sweep))
   plots = write_plots(os.path.join(out, "plots"), rows)
   return {
     "runs_csv": os.path.join(out, "runs.csv"),

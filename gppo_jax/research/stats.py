@@ -65,6 +65,9 @@ def paired_ci(
 ) -> tuple[float, float, float]:
   """(point, lo, hi) of fn(per-cell means) with a paired percentile bootstrap over seeds.
 
+  Not scipy.stats.bootstrap(paired=True, method="percentile"): its interval is NaN when the
+  statistic is on any resample (a relative gain over a zero baseline mean); this one skips those.
+
   x [seeds, cells]: row i holds every cell's value under seed i. fn maps means [..., cells] to
   [...] (vectorised over leading axes). point = fn(x.mean(0)); lo, hi are NaN under 2 seeds."""
   x = np.asarray(x, np.float64)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from gppo_jax import config_lib
 from gppo_jax.data import envs
-from gppo_jax.errors import MissingFileError, UserError
+from gppo_jax.errors import ConfigError, MissingFileError, UserError
 from gppo_jax.generation import sampler
 from gppo_jax.models import architectures, sharding
 from gppo_jax.models import model as model_lib
@@ -146,8 +146,15 @@ def _read_owner(fd: int) -> str:
 
 
 def check_inputs(config) -> None:
-  """The model folder and data files the config names exist (storage URLs are not checked here):
-  a typo in a path fails in a second, not after a 7B model has loaded."""
+  """What a run reads can be read: data files come with model.path (its tokenizer renders
+  them), and the model folder and data files the config names exist (storage URLs are not
+  checked here). Called by train and evaluate after `config_lib.validate` and before anything
+  is written, so a typo in a path fails in a second, not after a 7B model has loaded.
+  (`validate` allows data files without a model: `plan` sizes an update from them.)"""
+  if config.data.train_path is not None and config.model.path is None:
+    raise ConfigError(
+      "data.train_path is set but model.path is not: data files need the model's tokenizer"
+    )
   paths = [("model.path", config.model.path, os.path.isdir)]
   paths.append(("data.train_path", config.data.train_path, os.path.exists))
   if config.data.eval_path:

@@ -1,26 +1,29 @@
 """Where metrics go: a JSONL file, TensorBoard event files and a progress bar (process 0 only).
 
-A resumed run replays the iterations after its checkpoint, so `MetricWriter(resume_step=S)` first
-drops what the logs hold past step S (rows a crashed run wrote after its last checkpoint, and a
-half-written last line): each iteration appears once in metrics.jsonl and in TensorBoard.
+A resumed run replays the iterations after its checkpoint, so `MetricWriter(resume_step=S)` drops
+what the logs hold past step S (rows a crashed run wrote after its last checkpoint): it rewrites
+metrics.jsonl without them (and without a half-written last line), and starts its TensorBoard
+event file with a SessionLog.START event at step S + 1 (tensorboardX's `purge_step`), on which
+TensorBoard discards the events of steps > S read before it. Each iteration appears once in both.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import math
 import os
 import re
-import struct
 import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+from gppo_jax import files
+from gppo_jax.data import readers
 
 # Figures shown on the progress bar, in this order, with short labels.
 PROGRESS_KEYS = (
@@ -45,7 +48,6 @@ def tensorboardx():
     import tensorboardX
     import tensorboardX.proto.event_pb2
     import tensorboardX.proto.summary_pb2
-    import tensorboardX.record_writer
     import tensorboardX.summary
   finally:
     if hide and sys.modules.get("torch", 0) is None:
@@ -90,12 +92,15 @@ class MetricWriter:
     self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
     if resume_step is not None:
       truncate_jsonl(self.jsonl_path, resume_step)
-      truncate_tensorboard(os.path.join(log_dir, "tensorboard"), resume_step)
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
     # One event per step holding every scalar: an event per scalar (SummaryWriter.add_scalar), a
     # queue hand-off for each of ~50 values, cost ~4 ms of each iteration of the default run.
     self._tbx = tensorboardx()
     self._tb = self._tbx.FileWriter(os.path.join(log_dir, "tensorboard"))
+    if resume_step is not None:
+      event_pb2 = self._tbx.proto.event_pb2
+      start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+      self._tb.add_event(event_pb2.Event(step=resume_step + 1, session_log=start))
     if progress:
       from tqdm.auto import tqdm
 
@@ -175,76 +180,24 @@ class MetricWriter:
 
 
 def truncate_jsonl(path: str, max_step: int) -> int:
-  """Keeps the rows of `path` with step <= max_step (and only whole lines); returns rows dropped."""
-  if not os.path.exists(path):
+  """Keeps the rows of `path` with step <= max_step; returns the lines dropped (those past the
+  step, and a half-written last line). The kept rows are written back as MetricWriter writes
+  them, each on a whole line."""
+  if not os.path.exists(path) or os.path.getsize(path) == 0:
     return 0
   kept, dropped = [], 0
+  for _, row in readers.read_records(path, bad_lines="yield"):
+    try:
+      ok = int(row["step"]) <= max_step
+    except (ValueError, KeyError, TypeError):
+      ok = False  # a half-written line (readers.Unreadable) or not a row of ours
+    if ok:
+      kept.append(json.dumps(row) + "\n")
+    else:
+      dropped += 1
   with open(path, "rb") as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-        ok = line.endswith(b"\n") and int(row["step"]) <= max_step
-      except (ValueError, KeyError, TypeError):
-        ok = False  # a half-written last line
-      if ok:
-        kept.append(line)
-      else:
-        dropped += 1
-  if dropped:
-    _replace(path, b"".join(kept))
+    f.seek(-1, os.SEEK_END)
+    whole = f.read(1) == b"\n"  # else the next row would be appended to the last line
+  if dropped or not whole:
+    files.write_atomic(path, "".join(kept), fsync=True)
   return dropped
-
-
-def _records(data: bytes):
-  """The payloads of a TFRecord stream (length, crc, payload, crc), stopping at a torn tail."""
-  pos = 0
-  while pos + 12 <= len(data):
-    (length,) = struct.unpack_from("<Q", data, pos)
-    end = pos + 12 + length + 4
-    if end > len(data):
-      return
-    yield data[pos + 12 : pos + 12 + length]
-    pos = end
-
-
-def truncate_tensorboard(log_dir: str, max_step: int) -> int:
-  """Rewrites each event file under `log_dir` without events past `max_step`; returns the count
-  dropped. TensorBoard would otherwise show both the crashed run's and the replayed values."""
-  tbx = tensorboardx()
-  event_pb2, masked_crc32c = tbx.proto.event_pb2, tbx.record_writer.masked_crc32c
-  dropped = 0
-  for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
-    with open(path, "rb") as f:
-      data = f.read()
-    out, n = [], 0
-    for payload in _records(data):
-      event = event_pb2.Event()
-      try:
-        event.ParseFromString(payload)
-      except Exception:  # noqa: BLE001 (protobuf's DecodeError moves between versions)
-        n += 1
-        continue
-      if event.HasField("summary") and event.step > max_step:
-        n += 1
-        continue
-      header = struct.pack("<Q", len(payload))
-      out += [
-        header,
-        struct.pack("<I", masked_crc32c(header)),
-        payload,
-        struct.pack("<I", masked_crc32c(payload)),
-      ]
-    rewritten = b"".join(out)
-    if n or len(rewritten) != len(data):
-      _replace(path, rewritten)
-      dropped += n
-  return dropped
-
-
-def _replace(path: str, data: bytes) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
