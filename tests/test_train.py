@@ -295,6 +295,9 @@ def test_runs_in_one_process_reuse_compiled_functions_only_when_equal(tmp_path, 
   def run(name, **changes):
     c = smoke_config(tmp_path)
     c.iterations, c.eval.every = 1, 1
+    # A warm-start cache of this test's own: whether run "a" builds its start (and traces the
+    # warm start's evaluation sampler) must not depend on what earlier tests cached.
+    c.warmstart.cache_dir = str(tmp_path / "warmstart")
     for k, v in changes.items():
       section, field = k.split(".")
       c[section][field] = v
