@@ -130,8 +130,8 @@ def base(
   # dense, blockwise, cudnn, splash).
   c.model.remat = "auto"
   c.model.attention = "auto"
-  # The decoder layers scanned (one compiled layer) or unrolled: on an H200 unrolled took 0.93x
-  # the update step's time for twice its compile time (docs/performance.md).
+  # The decoder layers scanned (one compiled layer) or unrolled (each layer compiled on its own:
+  # a somewhat faster update step for a longer compile; docs/performance.md).
   c.model.scan_layers = True
   # Which kernels run the update's matrix products on CPU (sharding.CPU_MATMULS): "auto" = XLA's
   # own up to hidden size 128, where they beat the YNNPACK library XLA picks by default;
@@ -225,10 +225,9 @@ def base(
   c.advantage.filter_zero_signal = False  # DAPO dynamic sampling: drop all-equal groups
 
   c.optim = ml_collections.ConfigDict()
-  # 3e-4: from every warm start measured on the 2-core machine (seeds 0-2) the default run gains
-  # 10-37 points in 400 iterations. At 5e-4 the trust region mattered more on the machine where
-  # that was tuned, but from this machine's warm starts the default run no longer improved (+0.8
-  # points; -6 to -8 after 150 iterations): too close to the edge to be the default.
+  # 3e-4: the default run improves from every warm start tried; 5e-4 made the trust region
+  # matter more but from some warm starts no longer improved: too close to the edge to be the
+  # default (docs/performance.md has the runs).
   c.optim.lr = 3e-4
   c.optim.schedule = "constant"
   c.optim.warmup_steps = 0
@@ -282,7 +281,7 @@ def base(
 
   # Trace `iterations` iterations from iteration `start` (numbered from 1; 0 = off) with the JAX
   # profiler into <workdir>/profile: TensorBoard's profile tab and a Perfetto trace of the
-  # device's kernels, the host's ops and the Python calls (README "Performance"). Iteration 1
+  # device's kernels, the host's ops and the Python calls (docs/performance.md). Iteration 1
   # compiles: start later to see the steady state.
   c.profile = ml_collections.ConfigDict()
   c.profile.start = 0

@@ -34,9 +34,8 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
 64 prompts x 8 samples, 2 epochs x 4 mini-batches, evals every 50 iterations on 512 held-out
-problems), 2 runs at a time (`--jobs`, default min(2, CPU count)). On the project's 2-core machine
-it took 1 h 37 min end to end on 2026-12-02 (1 min 52 s per run on average with two at a time, the
-8 warm starts included; the compiled programs are cached on disk after the first run).
+problems), 2 runs at a time (`--jobs`, default min(2, CPU count)); docs/performance.md has its
+wall time on a 2-core machine (the compiled programs are cached on disk after the first run).
 
 Folder (--out, default workdirs/sweep): `runs/<cell>__<radius>__s<seed>/` is each run's train
 workdir, with `sweep_run.json` (what it is, its train arguments, exit status and wall time) and
@@ -91,7 +90,7 @@ BASE_CONFIG = os.path.join(REPO, "configs", "base.py")
 STARTS = ("per_seed", "shared")
 DEFAULT_CELLS = "grid,none"
 DEFAULT_SEEDS = "0-7"
-DEFAULT_JOBS = min(2, os.cpu_count() or 1)  # 2 runs at a time on the 2-core machine: measured
+DEFAULT_JOBS = min(2, os.cpu_count() or 1)  # two runs at a time where there are two cores
 LOG = "train.log"
 
 

@@ -4,9 +4,9 @@ xdist workers.
 
 Most of a tiny training run's time on CPU is XLA compiling the same programs again: the preemption
 chain runs one config six times in six processes, the sweep four runs of one shape, the learning
-tests one sampler four times. With the cache, each program compiles once per session (measured on
-a loaded 2-core machine: a 7-iteration smoke child 129 s cold, 36 s with the cache warm). Tracing
-is unchanged, so chex.assert_max_traces and trace counts still see every retrace.
+tests one sampler four times. With the cache, each program compiles once per session (a smoke
+child then spends most of its time running rather than compiling). Tracing is unchanged, so
+chex.assert_max_traces and trace counts still see every retrace.
 
 The folder is a fresh temporary one per session (never a cache left by another checkout or
 version), removed at exit. A subprocess inherits it through the environment; a test that builds its

@@ -538,7 +538,7 @@ TINY = [
 
 
 def test_a_real_tiny_sweep_runs_reports_and_resumes(tmp_path):
-  """2 cells x 2 seeds, 2 iterations each, 2 at a time (about 30 s on an idle 2-core machine)."""
+  """2 cells x 2 seeds, 2 iterations each, 2 at a time."""
   cmd = [sys.executable, "-m", "gppo_jax.sweep", "--cells", "kl_atomic,none", "--seeds", "0,1"]
   cmd += ["--jobs", "2", "--out", str(tmp_path)] + [x for o in TINY for x in ("--set", o)]
   env = conftest.one_device_env()  # one CPU device per run

@@ -37,7 +37,7 @@ REMAT_POLICIES = {
 }
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)  # = ModelConfig.remat's values
 # remat "auto" on CPU: no remat, layers unrolled, while the update's activations without remat
-# (`no_remat_bytes`) stay within this; measured in docs/performance.md (Rematerialisation).
+# (`no_remat_bytes`) stay within this (docs/performance.md, Rematerialisation).
 CPU_NO_REMAT_MAX_BYTES = 1 << 30
 
 
@@ -70,8 +70,8 @@ class ModelConfig:
   # splash on TPU, dense or blockwise on CPU by length), "dense", "blockwise", "cudnn", "splash".
   attention: str = "auto"
   # The decoder layers as one scanned layer (compiles once, however deep the model) or unrolled
-  # (each layer compiled separately: twice the compile time of Qwen2.5-0.5B's 24 layers on an
-  # H200, and a 0.93x update step there; docs/performance.md).
+  # (each layer compiled separately: a longer compile for a somewhat faster update step;
+  # docs/performance.md).
   scan_layers: bool = True
   # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char
   # architectures use a larger one, without which attention stays uniform for hundreds of steps.
@@ -134,11 +134,10 @@ def layer_plan(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None
   (default: jax's) for cfg.remat and cfg.scan_layers. A named policy keeps cfg.scan_layers.
   "auto" is, on CPU, "none" with the layers unrolled where `no_remat_bytes` is within
   CPU_NO_REMAT_MAX_BYTES, unless the attention is dense over at most DENSE_SAVED_MAX_KEYS keys
-  (the tiny and small Qwen2 update steps of benchmarks/train_step.py, 256 tokens, took
-  0.85x-0.88x the time of "attention" scanned; a scan of "none" stacks every activation and is
-  slower than "attention"); otherwise "attention" with cfg.scan_layers: over few keys it keeps
-  dense attention's probabilities, and the default run's update (41-token packed groups) was as
-  fast as without remat; on GPU and TPU long sequences' activations are what limits a batch."""
+  (nothing recomputed, and no per-layer scan bookkeeping; a scan of "none" would stack every
+  activation); otherwise "attention" with cfg.scan_layers: over few keys it keeps dense
+  attention's probabilities, so the backward recomputes little anyway; on GPU and TPU long
+  sequences' activations are what limits a batch."""
   if cfg.remat != "auto":
     return cfg.remat, cfg.scan_layers
   impl = attention.resolve(

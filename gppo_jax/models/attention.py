@@ -40,30 +40,19 @@ from jax.ad_checkpoint import checkpoint_name
 from gppo_jax.models import low_precision, partitioning
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
-# CPU: dense attention up to this many tokens, blockwise beyond. Measured with
-# benchmarks/train_step.py (one update step, 2 cores): at 256 tokens blockwise's single tile is
-# 10-25% faster than dense on the tiny and small Qwen2 shapes; at the default run's 17 tokens
-# dense is ~5% faster.
+# CPU: dense attention up to this many tokens (few scores: one fused product is cheapest),
+# blockwise beyond (at 256 tokens its causal tiles skip work dense does).
 DENSE_MAX_LEN = 128
 BLOCK_SIZE = 512  # blockwise tile (queries and keys) on GPU / TPU; CPU: `block_size`
-# CPU blockwise tile: about a quarter of the sequence, within these bounds. Measured with
-# benchmarks/attention.py (forward + backward, 2 cores): at 256 tokens 64-token tiles take about
-# half the time of one 256-token tile (causal block skipping, and blocks that stay in cache);
-# at ~1,024 tokens 256-token tiles beat both 512 (more wasted work above the diagonal) and
-# 64-128 (per-tile loop overhead). Longer, 512-token tiles (XLA's CPU matmuls run these small
-# products well below their large-matrix rate, better the larger they are): one layer at
-# 1 x 4,096 / 8,192 tokens 0.92x / 0.85x the time of 256-token tiles, about even at 2,048; the
-# small Qwen2 shape's update step of benchmarks/train_step.py in one process 0.954x the time at
-# 1 x 4,096, 0.976x at 1 x 2,048 (Intel VM).
+# CPU blockwise tile: about a quarter of the sequence, within these bounds: smaller tiles skip
+# more of the work above the diagonal and stay in cache, larger ones cost less per-tile loop
+# overhead and run XLA's CPU matmuls nearer their large-matrix rate (docs/performance.md).
 CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 512
 # CPU, up to this many tokens: "auto" runs blockwise's query tiles as straight-line code, each
 # tile against its whole key prefix in one product (`_unrolled_forward`): no loops, dynamic
-# slices or online rescaling, and larger matmuls. One layer's forward + backward
-# (benchmarks/attention.py, 2 cores, Intel VM) took 0.61x-0.64x the time of the loops at
-# [16, 256] tokens (4 heads, Dh 32), 0.91x-0.98x at [8, 256] (8 heads, Dh 64) and 0.85x at
-# [4, 512]; from 1,024 tokens the loops over 256-token tiles were faster (1.18x-1.20x at 2 x 1,024
-# and 1 x 2,048): XLA holds every tile's scores at once (about half of dense's [T, T] per head),
-# and beyond the caches that costs more than the loops save.
+# slices or online rescaling, and larger matmuls. Longer sequences loop: XLA holds every
+# unrolled tile's scores at once (about half of dense's [T, T] per head), and beyond the caches
+# that costs more than the loops save.
 UNROLL_MAX_LEN = 512
 # Key block of the scan decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
@@ -183,9 +172,8 @@ def _dense_fused_fwd(q, k, v, allowed):
   B, T, H, Dh = q.shape
   K = k.shape[2]
   # Head-major [B, K, G, T, .]: each (b, k, g) is one contiguous [T, Dh] x [Dh, S] product, the
-  # layout XLA's CPU matmuls take without copies. Against scores ordered [B, K, T, G, S] (q's own
-  # order) one layer's forward + backward took 0.78x-0.87x the time at 17-128 tokens (f32, both
-  # in one process), the transposes of q, k, v and the output included.
+  # layout XLA's CPU matmuls take without copies (scores ordered [B, K, T, G, S], q's own order,
+  # cost more than the transposes of q, k, v and the output here).
   qh = q.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, Dh]
   s = jnp.einsum("bkgtd,bksd->bkgts", qh, kh, preferred_element_type=jnp.float32)
@@ -195,7 +183,7 @@ def _dense_fused_fwd(q, k, v, allowed):
   oh = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), vh)
   out = oh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q.dtype)
   # Under remat "attention" the backward reuses these instead of recomputing the scores, the
-  # softmax and the value product (the default run's update: 0.91x the time).
+  # softmax and the value product.
   out = checkpoint_name(out, SAVED_NAMES[0])
   if k.shape[1] <= DENSE_SAVED_MAX_KEYS:
     p = checkpoint_name(p, SAVED_NAMES[2])
@@ -253,11 +241,8 @@ def _merge_rows(x):
   """x [B,K,bq,G,...] -> [B,K,bq*G,...]: a tile's query rows (each query's G heads) as one
   matrix dimension, contiguous in the [B,K,T,G,Dh] layout (a free reshape). The blockwise
   products take them this way: one [bq * G, Dh] matrix per (B, K) rather than G [bq, Dh] ones,
-  a batch dimension of G between the tile's rows. One layer's forward + backward, unrolled tiles
-  (benchmarks/attention.py, Intel VM): 0.65x the time at [8, 256] x 8 heads x Dh 64 (YNNPACK
-  dots), 0.87x at [16, 256] x 4 heads x Dh 32 (XLA's dots, the tiny train step's). The
-  backward's elementwise work and key gradients use the merged rows too: left [B,K,bq,G,bk],
-  with (bq, G) contracted together, that step kept its old time."""
+  a batch dimension of G between the tile's rows: fewer, larger products. The backward's
+  elementwise work and key gradients use the merged rows too."""
   return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
@@ -291,7 +276,7 @@ def _mask_bias(allowed):
 def _key_grad(x, p):
   """float32 [B,K,Dh,bk]: the key-side gradient sum over the rows of x [B,K,bq*G,Dh] times
   p [B,K,bq*G,bk], transposed. Written as p^T x, XLA (CPU) first copies the [.., bq, bk] block
-  into the transposed layout its matmul takes (10% of the tiny train step); as x^T p only the
+  into the transposed layout its matmul takes (a copy of every score block); as x^T p only the
   Dh-wide operand is transposed, bk/Dh times less data. In bf16 on CPU that operand is copied
   row-major (`low_precision`): XLA would multiply it in float32 otherwise."""
   if low_precision.applies(x):
@@ -582,8 +567,7 @@ def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
 
   Products and sums instead of dots: the step is G-row matrix-vector products, bound by reading
   the cache, not by arithmetic, and XLA (CPU) would first copy each key and value block into the
-  dot's operand layout (a transpose), while a multiply-reduce takes the block as stored: about
-  10-20% off a step of benchmarks/sampler.py's model at 1k cache slots (medians, batch 8 and 64).
+  dot's operand layout (a transpose), while a multiply-reduce takes the block as stored.
   """
   B, K, G, Dh = q.shape
   qf = q.astype(jnp.float32)

@@ -1,19 +1,13 @@
 """16-bit matrix products that XLA's CPU backend keeps in 16 bits.
 
 XLA's CPU backend multiplies bf16 (or f16) operands in that dtype, with float32 accumulation (on
-AMX or AVX-512-BF16 units), only where it sees both operands of the product as untransposed
+CPUs with bf16 matrix units), only where it sees both operands of the product as untransposed
 row-major arrays; it decides this before assigning layouts. A transposed operand (`a.T`,
 `k.transpose(...)`, and the transposed weights and activations autodiff hands the backward of
-`x @ w`) makes it convert both operands to float32 and multiply at the float32 rate: on a 2-core
-AMX VM a fifth of the bf16 rate. The helpers here give it operands it takes as they are, and
+`x @ w`) makes it convert both operands to float32 and multiply at the float32 rate, several
+times slower than the bf16 one. The helpers here give it operands it takes as they are, and
 change nothing in float32, on other backends (their matmuls read transposed operands in place)
-or across a mesh of devices (`applies`).
-
-Measured on the small Qwen2 shape of `benchmarks/train_step.py` in bf16 (Intel VM with AMX), in
-one process against the code before: the update step 2.05 s -> 1.24 s with the layers'
-projections as `matmul`, then 0.95x that with the blockwise attention's operands `row_major`
-and 0.96x again with the tied head's weight gradient over a `transposed` logits gradient
-(0.83x on an untied variant, over the `transposed` hidden states).
+or across a mesh of devices (`applies`). docs/performance.md has the measurements.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ def applies(x: jax.Array) -> bool:
   """x is 16-bit and traced for one CPU device: the case the helpers below change. Not across a
   mesh (an ambient mesh of more than one device, as the sharded jits set): there XLA's
   partitioner would gather whole arrays to join halves split over devices (the 7B memory plan
-  of docs/performance.md grew sevenfold), and the planner stands CPU devices in for other chips."""
+  grew several times over), and the planner stands CPU devices in for other chips."""
   return jnp.dtype(x.dtype).itemsize == 2 and one_cpu_device()
 
 

@@ -111,8 +111,8 @@ class LayerCache:
 
   Built once from a prefill's stacked `KVCache` (`from_stacked`) for `Transformer.decode_step`
   with unrolled layers: reading a layer of the stacked cache is a copy of that layer on CPU, and
-  keys stored transposed make the score product a plain matrix product over the slots (about 3x
-  faster on CPU than keys stored [slot, head, dim], which XLA first transposes).
+  keys stored transposed make the score product a plain matrix product over the slots (keys
+  stored [slot, head, dim] XLA first transposes, a copy of the whole cache each step).
   """
 
   k: tuple[jax.Array, ...]  # per layer [B, num_kv_heads, head_dim, S]: keys transposed
@@ -163,10 +163,10 @@ def _in_float32(op: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
   """op(a, b) in a's dtype, computed in float32 where `low_precision.applies` (16-bit on one CPU
   device): the values XLA's CPU backend computes anyway, but the gradient of a broadcast operand
   (a norm's weight, a bias) then sums over the tokens in float32. That backend sums bf16 in
-  bf16: over 2,048 tokens such gradients came out ~8x further from the float32 ones (some
-  elements off by more than their own size), through slow reduce-windows (~0.1 s of the small
-  Qwen2 shape's bf16 step). Elsewhere plain op(a, b): on every backend the float32 ops cost the
-  planner's compiled 7B plan (CPU devices standing in for TPUs) 1.3 GiB more per device."""
+  bf16, through slow reduce-windows: over long sequences such gradients drift far from the
+  float32 ones (some elements off by more than their own size). Elsewhere plain op(a, b): on
+  every backend the float32 ops would add float32 temporaries to the planner's compiled plans
+  (CPU devices standing in for TPUs)."""
   if not low_precision.applies(a):
     return op(a, b)
   f32 = jnp.float32
@@ -196,8 +196,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
   """(cos, sin) float32 [B, T, 1, head_dim] of positions [B, T] (half-split layout, as HF),
   computed once per forward (each distinct angle once) and shared by every layer: inside the
-  layer scan they were computed per layer and again in each remat recompute (~2% of the tiny
-  Qwen2 shape's update op time on CPU, ~1% after)."""
+  layer scan they would be computed per layer and again in each remat recompute."""
   angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, Dh/2]
   twice = lambda a: jnp.concatenate([a, a], -1)[:, :, None, :]
   return twice(jnp.cos(angles)), twice(jnp.sin(angles))
@@ -218,7 +217,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   Flattening the token axes first (x as [tokens, in]) gives XLA plain matrix products in the
   forward and the backward: the same contraction written as a batched einsum
   ("btd,df->btf") makes XLA's CPU backend transpose the activation gradient of every weight
-  gradient (on the tiny Qwen2 shape a 16% copy; an MLP's gradient 2x faster flattened). In a
+  gradient (a copy of each layer's activations). In a
   16-bit dtype on CPU the product is `low_precision.matmul` unless custom_vjp is False (remat
   "dots" must see a plain product to save it)."""
   lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
@@ -305,9 +304,7 @@ class Transformer(nnx.Module):
       # cuDNN takes padding as sequence lengths: rotate each row once so that its real tokens
       # come first (positions travel with their tokens), run every layer on the rotated rows,
       # and rotate the hidden states back. Rotating q, k, v and the output in each layer
-      # instead (`attention.cudnn`) cost a scatter-add for each in the backward: 7.8 ms of a
-      # 165 ms update step (Qwen2.5-0.5B shape, batch 8 x 2,048, H200; with the head's single
-      # cast of W, `chunked_logprob_stats`, the step went to 150 ms).
+      # instead (`attention.cudnn`) costs a scatter-add for each in the backward.
       fwd, back, length = attention_lib.left_align(attn_mask)
       rotate = lambda a, idx: jnp.take_along_axis(a, idx, axis=1)
       x = embed(rotate(tokens, fwd))
@@ -540,8 +537,8 @@ def attends_packed_groups(
 def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.Array]:
   """The weights of `Transformer.decode_step`, made once per sampler call: each decoder layer's
   weights as separate arrays (a copy of the layer weights) and the output projection as
-  [vocab, hidden] (an untied head transposed: XLA's CPU matmul of a few rows reads it that way
-  ~1.4x faster, 7.0 -> 5.1 ms per step at 8 rows x 32k vocab)."""
+  [vocab, hidden] (an untied head transposed: XLA's CPU matmul of a few rows reads the weight
+  faster as the product's transposed right operand)."""
   stacked = model.layers.arrays()
   layers = [{k: a[l] for k, a in stacked.items()} for l in range(model.cfg.num_layers)]
   w, tied = model.unembedding()
@@ -587,9 +584,7 @@ def _transposed_weight_gradient(hidden, w) -> bool:
   g^T h: on one CPU device (`low_precision.one_cpu_device`), whose matmul reads its left operand
   row-major, so g^T h first copies the [N, V] logits gradient g into the transposed layout;
   (h^T g)^T copies h [N, D] and the [D, V] product instead, fewer elements where
-  N V > (N + V) D (N > D rows for a large vocab). Small Qwen2 shape of benchmarks/train_step.py
-  (tied, vocab 32k), in one process against g^T h: the float32 update step 0.97x-0.98x the time
-  at [8, 256] and [1, 2048] (where the copy alone took 158 ms), the bf16 one 0.94x. GPU and TPU
+  N V > (N + V) D (N > D rows for a large vocab). GPU and TPU
   matmuls read transposed operands in place: g^T h stays there."""
   n, (v, d) = math.prod(hidden.shape[:-1]), w.shape
   return low_precision.one_cpu_device() and n * v > (n + v) * d
@@ -601,8 +596,8 @@ def _head_with_backward(tied, hidden, w, w_low):
   hand-written backward. In a low-precision dtype both backward matmuls run on low-precision
   operands (the float32 logits cotangent rounded to hidden's dtype) with float32 accumulation,
   as the layers' own backward does: autodiff would multiply the float32 cotangent by the
-  low-precision W, i.e. a float32 matmul (on an H200, bf16 compute, Qwen2.5-0.5B shape, vocab
-  152k: 33 of 200 ms per update step, in TF32). dW comes back in W's dtype, summed in float32
+  low-precision W, i.e. a float32 matmul (on GPU at TF32 rate: a large vocab makes it a sizeable
+  part of the step). dW comes back in W's dtype, summed in float32
   (not rounded to bf16 on its way); a tied dW is (h^T g)^T where `_transposed_weight_gradient`."""
   return _head_matmul(hidden, w_low, tied)
 
@@ -640,10 +635,9 @@ _head_with_backward.defvjp(_head_with_backward_fwd, _head_with_backward_bwd)
 
 # `chunked_logprob_stats` with chunk_size None: logits of at most this many bytes ([B, T, V]
 # float32) are built in one piece, without the checkpointed chunk loop (no padding to whole
-# chunks, no head recomputed in the backward: a third of the head's FLOPs). In one process the
-# tiny train step of benchmarks/train_step.py took 0.94x-0.99x the time, the small one (8 x 225
-# response tokens, vocab 32k: 220 MiB of logits) 0.92x, for up to ~3x these bytes of temporary
-# memory. Larger logits go in chunks of CHUNK_SIZE positions: memory then stays O(CHUNK_SIZE).
+# chunks, no head recomputed in the backward: a third of the head's FLOPs), for up to ~3x these
+# bytes of temporary memory. Larger logits go in chunks of CHUNK_SIZE positions: memory then
+# stays O(CHUNK_SIZE).
 ONE_CHUNK_BYTES = 256 << 20
 CHUNK_SIZE = 128
 
@@ -684,8 +678,7 @@ def chunked_logprob_stats(
     ids = jnp.pad(ids, ((0, 0), (0, pad), (0, 0)))
   h_chunks = hidden.reshape(B, n, C, -1).swapaxes(0, 1)
   id_chunks = ids.reshape(B, n, C, -1).swapaxes(0, 1)
-  # W in the compute dtype, cast once here: XLA cast it again in every chunk otherwise (3.1 ms
-  # per update step on an H200 at vocab 152k, 15 chunks).
+  # W in the compute dtype, cast once here: XLA casts it again in every chunk otherwise.
   w_low = w.astype(hidden.dtype) if jnp.dtype(hidden.dtype).itemsize < 4 else None
 
   def chunk(w, h, i):

@@ -165,7 +165,7 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
   device_put of the whole batch.
   """
   n = jax.process_count()
-  if n == 1:  # one transfer call for the whole tree (a call per leaf cost ~2x as long)
+  if n == 1:  # one transfer call for the whole tree, not a call per leaf
     return jax.device_put(batch_np, batch_shardings(batch_np, mesh))
 
   def put(x):
@@ -268,10 +268,9 @@ def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
 
 # Which kernels run the update's matrix products on CPU (config `model.cpu_matmul`). XLA's CPU
 # backend hands plain dots to the YNNPACK library by default; on the narrow matrices of a small
-# model's update (the default run's [656, 64] x [64, 192]) XLA's own kernels took half the time
-# and the whole update 0.85x-0.91x, on the 512-wide "small" shape 1.04x-1.17x (docs/
-# performance.md). The sampler keeps the default: its batched decode products ran 2x slower on
-# XLA's kernels.
+# model's update (the default run's [656, 64] x [64, 192]) XLA's own kernels run faster, on
+# wider ones slower (docs/performance.md). The sampler keeps the default: its batched decode
+# products run slower on XLA's kernels.
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 CPU_XLA_MATMUL_MAX_HIDDEN = 128  # "auto": XLA's own kernels up to this hidden size
 _XLA_MATMUL_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}

@@ -330,13 +330,12 @@ def keep_cpu_memory() -> bool:
   XLA's CPU runtime allocates one scratch buffer per call of a program, as large as the
   program's temporaries. By default the call runs on a worker thread, whose malloc arena cannot
   hold more than 64 MiB, and glibc maps a block that large with mmap and unmaps it when freed:
-  every call then page-faults its whole scratch in again (the 16 x 256 update step of
-  benchmarks/train_step.py's tiny shape, 77 MB: 19k faults, ~60 ms of system time per step).
-  Here the calls run on the calling thread (synchronous dispatch; the trainer waits for each
-  result anyway) and glibc serves large blocks from its main heap and keeps freed memory for
-  reuse (mallopt M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2^31 - 1). That update took 0.87x-0.90x the
-  time, the small shape's 0.86x (docs/performance.md). The price: freed memory stays with the
-  process (up to 2 GiB of it at the heap's top) instead of going back to the system.
+  every call then page-faults its whole scratch in again (tens of thousands of faults, system
+  time on every step). Here the calls run on the calling thread (synchronous dispatch; the
+  trainer waits for each result anyway) and glibc serves large blocks from its main heap and
+  keeps freed memory for reuse (mallopt M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2^31 - 1). The price:
+  freed memory stays with the process (up to 2 GiB of it at the heap's top) instead of going
+  back to the system.
 
   Process-wide, so only the commands call it (train, evaluate, benchmarks/train_step.py,
   sampler.py and iteration.py), first thing, before any JAX backend exists.

@@ -38,7 +38,7 @@ def tensorboardx():
   """The tensorboardX package, imported without torch.
 
   tensorboardX imports torch when it is installed (to accept torch tensors, which we never pass):
-  3 s of every training command's start-up on a machine that has torch. While it loads, an
+  seconds of every training command's start-up on a machine that has torch. While it loads, an
   `import torch` fails as if torch were absent, and tensorboardX falls back to numpy; a torch
   imported before or after is untouched."""
   hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
@@ -93,8 +93,8 @@ class MetricWriter:
     if resume_step is not None:
       truncate_jsonl(self.jsonl_path, resume_step)
     self._jsonl = open(self.jsonl_path, "a", buffering=1)  # noqa: SIM115 (closed in close())
-    # One event per step holding every scalar: an event per scalar (SummaryWriter.add_scalar), a
-    # queue hand-off for each of ~50 values, cost ~4 ms of each iteration of the default run.
+    # One event per step holding every scalar: an event per scalar (SummaryWriter.add_scalar) is
+    # a queue hand-off for each of dozens of values, a visible part of a short iteration.
     self._tbx = tensorboardx()
     self._tb = self._tbx.FileWriter(os.path.join(log_dir, "tensorboard"))
     if resume_step is not None:

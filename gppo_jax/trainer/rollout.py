@@ -34,7 +34,7 @@ from gppo_jax.data import envs
 from gppo_jax.generation import sampler
 from gppo_jax.trainer import policy_eval, train_step
 
-# One dispatch per round (eagerly, fold_in is three: ~0.1 ms of host time each iteration).
+# One dispatch per round (eagerly, fold_in is three dispatches).
 _fold_in = jax.jit(jax.random.fold_in)
 
 
@@ -148,8 +148,8 @@ def fill_rewards(groups: Groups) -> np.ndarray:
 
 
 # The advantage estimators and the signal test, each one compiled program per batch shape: eager,
-# they are a dozen tiny XLA programs, each compiled on first use (~0.1 s apiece at every start-up)
-# and dispatched on its own every iteration. The estimator is passed as the function itself, so a
+# they are a dozen tiny XLA programs, each compiled on first use at every start-up and
+# dispatched on its own every iteration. The estimator is passed as the function itself, so a
 # name registered again (overwrite=True) compiles the new one.
 _signal_mask = jax.jit(advantages.signal_mask)
 _advantages = jax.jit(advantages.compute, static_argnums=0, static_argnames=("eps", "ddof"))
