@@ -280,12 +280,10 @@ def _iteration_keys(seed_key, iteration):
 
 def _sample_fn(config, graphdef, param_shardings, mesh):
   """The sampler of rollouts and evaluations: the fixed-batch `MeshSampler`, or with
-  rollout.engine="continuous" continuous batching (one device), which hands top-K and kept-set
-  sampling to the former."""
-  fixed = sampler.MeshSampler(graphdef, param_shardings)
+  rollout.engine="continuous" continuous batching (one device for now)."""
   r = config.rollout
   if r.get("engine", "fixed") != "continuous":
-    return fixed
+    return sampler.MeshSampler(graphdef, param_shardings)
   if mesh.devices.size > 1:
     raise errors.ConfigError(
       f"rollout.engine='continuous' runs on one device for now; this mesh has "
@@ -297,7 +295,7 @@ def _sample_fn(config, graphdef, param_shardings, mesh):
     num_pages=r.kv_pages or None,
     chunk=r.decode_chunk,
   )
-  return continuous.EngineSampler(graphdef, engine, fallback=fixed)
+  return continuous.EngineSampler(graphdef, engine)
 
 
 def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: dict):

@@ -76,6 +76,31 @@ def test_engine_matches_the_fixed_batch_sampler(policy, top_k):
   np.testing.assert_allclose(got.entropy, want.entropy, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+  "settings",
+  [dict(num_topk=3), dict(top_k=4, top_p=0.8, logprobs_mode="truncated", num_topk=2)],
+)
+def test_engine_records_top_k_and_kept_sets_as_the_fixed_sampler(policy, settings):
+  """The trainer's topk estimator and logprobs_mode="sampled" read these records."""
+  cfg, graphdef, params, prompts = policy
+  sp = sampler.SamplingParams(max_new_tokens=N, stop_ids=(1,), pad_id=0, **settings)
+  key = jax.random.key(4)
+  engine = continuous.ContinuousSampler(
+    graphdef, sp, continuous.EngineConfig(slots=4, page_size=4, chunk=4)
+  )
+  got = engine(params, prompts, key, group_size=G)
+  want = _fixed(graphdef, params, prompts, key, sp, engine.stats["prompt_len"])
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
+  np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, atol=1e-5)
+  if sp.kept_width:
+    np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
+    assert (got.kept_ids[got.mask] >= 0).any() and (got.kept_ids[~got.mask] == -1).all()
+  else:
+    assert got.kept_ids is None
+  assert np.isneginf(got.topk_logprobs[~got.mask]).all()  # padding as the fixed sampler pads
+
+
 def test_samples_do_not_depend_on_slots_order_or_preemption(policy):
   """The same rollout with three slot counts (one with a pool small enough to preempt rows) and
   shuffled prompt order: identical tokens, log-probs within 1e-5, every prompt answered G times."""
@@ -150,8 +175,6 @@ def test_bad_settings_are_named(policy):
   sp = sampler.SamplingParams(max_new_tokens=N, pad_id=0)
   with pytest.raises(ValueError, match="EngineConfig.slots must be >= 1"):
     continuous.EngineConfig(slots=0)
-  with pytest.raises(ValueError, match="records no top-K"):
-    continuous.ContinuousSampler(graphdef, sampler.SamplingParams(max_new_tokens=4, num_topk=2))
   small = continuous.ContinuousSampler(
     graphdef, sp, continuous.EngineConfig(page_size=4, num_pages=3)
   )

@@ -85,6 +85,9 @@ class SlotState:
   tokens: jax.Array  # int32 [S, N]
   logprobs: jax.Array  # float32 [S, N]
   entropy: jax.Array  # float32 [S, N]
+  topk_logprobs: jax.Array | None = None  # float32 [S, N, num_topk]
+  topk_ids: jax.Array | None = None  # int32 [S, N, num_topk]
+  kept_ids: jax.Array | None = None  # int32 [S, N, kept_width]
 
 
 def _pages(n: int, page_size: int) -> int:
@@ -100,11 +103,6 @@ class ContinuousSampler:
 
   def __init__(self, graphdef: nnx.GraphDef, sampling: sampler_lib.SamplingParams,
                engine: EngineConfig = EngineConfig()):  # fmt: skip
-    if sampling.num_topk or sampling.kept_width:
-      raise ValueError(
-        "continuous batching records no top-K log-probs or kept sets yet (num_topk, "
-        "logprobs_mode='truncated' with top_k); use the fixed-batch sampler for those"
-      )
     self.graphdef = graphdef
     self.sampling = sampling
     self.engine = engine
@@ -157,8 +155,7 @@ class ContinuousSampler:
     max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
     cfg = _model_cfg(self.graphdef, params)
     key_shape = jax.random.key_data(jax.random.key(0)).shape
-    state = _init_state(cfg, e.slots, sp.max_new_tokens, num_pages, e.page_size, key_shape,
-                        sp.pad_id)  # fmt: skip
+    state = _init_state(cfg, e.slots, num_pages, e.page_size, key_shape, sp)
     m = 1
     while True:
       p_mask = np.ones((m, P), bool)
@@ -210,11 +207,21 @@ class ContinuousSampler:
     max_pages = _pages(P + N - 1, ps)
     model_cfg = _model_cfg(self.graphdef, params)
     params = _in_compute_dtype(params, model_cfg.compute_dtype)
-    state = _init_state(model_cfg, S, N, num_pages, ps, key_data.shape[1:], sp.pad_id)
+    state = _init_state(model_cfg, S, num_pages, ps, key_data.shape[1:], sp)
 
     out_tokens = np.full((len(prompts) * G, N), sp.pad_id, np.int32)
     out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
     out_entropy = np.zeros((len(prompts) * G, N), np.float32)
+    # Per-token records of some settings (SampleOutput's): name -> the rows' buffer.
+    extras = {
+      name: np.full((len(prompts) * G, N, width), fill, dtype)
+      for name, width, fill, dtype in (
+        ("topk_logprobs", sp.num_topk, -np.inf, np.float32),
+        ("topk_ids", sp.num_topk, sp.pad_id, np.int32),
+        ("kept_ids", sp.kept_width, -1, np.int32),
+      )
+      if width
+    }
     out_len = np.zeros(len(prompts) * G, np.int32)
 
     pages = paged.PageTable(num_pages, S, max_pages, P // ps, ps)
@@ -283,12 +290,15 @@ class ContinuousSampler:
       finished = np.flatnonzero(active & done)
       if finished.size:
         # Whole [S, N] buffers: a gather of the finished rows would compile per count.
-        toks, lps, ents, steps = jax.device_get(
-          (state.tokens, state.logprobs, state.entropy, state.step)
-        )
+        toks, lps, ents, steps, ext = jax.device_get(
+          (state.tokens, state.logprobs, state.entropy, state.step,
+           {k: getattr(state, k) for k in extras})
+        )  # fmt: skip
         rows = slot_row[finished]
         out_tokens[rows], out_logprobs[rows] = toks[finished], lps[finished]
         out_entropy[rows], out_len[rows] = ents[finished], steps[finished]
+        for k, buf in extras.items():
+          buf[rows] = ext[k][finished]
         for s in finished:
           release(int(s))
 
@@ -307,6 +317,7 @@ class ContinuousSampler:
       mask=out_mask,
       lengths=out_len,
       entropy=np.where(out_mask, out_entropy, 0.0).astype(np.float32),
+      **extras,
     )
 
 
@@ -323,9 +334,10 @@ def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
   return jax.tree.map(cast, params)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _init_state(cfg, S, N, num_pages, page_size, key_shape, pad_id) -> SlotState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _init_state(cfg, S, num_pages, page_size, key_shape, sp) -> SlotState:
   zi = jnp.zeros((S,), jnp.int32)
+  N, K, W, pad_id = sp.max_new_tokens, sp.num_topk, sp.kept_width, sp.pad_id
   return SlotState(
     pool=paged.init_pool(cfg, num_pages, page_size),
     last_token=zi,
@@ -339,6 +351,9 @@ def _init_state(cfg, S, N, num_pages, page_size, key_shape, pad_id) -> SlotState
     tokens=jnp.full((S, N), pad_id, jnp.int32),
     logprobs=jnp.zeros((S, N), jnp.float32),
     entropy=jnp.zeros((S, N), jnp.float32),
+    topk_logprobs=jnp.full((S, N, K), -jnp.inf, jnp.float32) if K else None,
+    topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
+    kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
   )
 
 
@@ -359,13 +374,13 @@ def _admit(
   pool = paged.write_prefill(state.pool, cache, p_pages)
   key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
   keys = jax.random.wrap_key_data(key_data)
-  token, logprob, _, _, entropy = sampler_lib._sample_token(
+  token, logprob, topk, kept, entropy = sampler_lib._sample_token(
     logits, sampler_lib.step_keys(keys, 0), sp
   )
   slots = slot_ids.reshape(-1)
   rep = lambda x: jnp.repeat(x, G, axis=0)
   stop = jnp.isin(token, jnp.asarray(sp.stop_ids, jnp.int32)) if sp.stop_ids else False
-  first = lambda x, fill: jnp.full((m * G, N), fill, x.dtype).at[:, 0].set(x)
+  first = lambda x, fill: jnp.full((m * G, N, *x.shape[1:]), fill, x.dtype).at[:, 0].set(x)
   put = lambda buf, val: buf.at[slots].set(val.astype(buf.dtype), mode="drop")
   return state.replace(
     pool=pool,
@@ -380,7 +395,20 @@ def _admit(
     tokens=put(state.tokens, first(token, sp.pad_id)),
     logprobs=put(state.logprobs, first(logprob, 0.0)),
     entropy=put(state.entropy, first(entropy, 0.0)),
+    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp),
   )
+
+
+def _records(state: SlotState, topk, kept, write, sp) -> dict:
+  """The top-K and kept-set buffers with a step's values written by `write(buf, val, fill)`
+  (none where the setting records none)."""
+  out = {}
+  if topk is not None:
+    out["topk_logprobs"] = write(state.topk_logprobs, topk[0], -jnp.inf)
+    out["topk_ids"] = write(state.topk_ids, topk[1], sp.pad_id)
+  if kept is not None:
+    out["kept_ids"] = write(state.kept_ids, kept, -1)
+  return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -398,9 +426,13 @@ def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[Slo
       graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live
     )
     keys = sampler_lib.step_keys(jax.random.wrap_key_data(s.keys), s.step)
-    token, logprob, _, _, entropy = sampler_lib._sample_token(logits, keys, sp)
+    token, logprob, topk, kept, entropy = sampler_lib._sample_token(logits, keys, sp)
     col = jnp.minimum(s.step, N - 1)
-    put = lambda buf, val: buf.at[rows, col].set(jnp.where(live, val, buf[rows, col]))
+
+    def put(buf, val):
+      keep = live.reshape(-1, *([1] * (val.ndim - 1)))
+      return buf.at[rows, col].set(jnp.where(keep, val.astype(buf.dtype), buf[rows, col]))
+
     step = s.step + live
     stopped = jnp.isin(token, stop_ids) if sp.stop_ids else False
     return i + 1, s.replace(
@@ -413,6 +445,7 @@ def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[Slo
       tokens=put(s.tokens, token),
       logprobs=put(s.logprobs, logprob),
       entropy=put(s.entropy, entropy),
+      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp),
     )
 
   cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)
@@ -432,15 +465,12 @@ class EngineSampler:
   and evaluations call with `rollout.engine="continuous"`.
 
   Takes the same left-padded rows (runs of `group_size` identical prompts); prompt b / G of the
-  call gets id b / G in the row keys. Settings the engine does not serve (top-K log-probs, the
-  truncated kept sets) go to `fallback`, the fixed-batch sampler. One engine (one compiled set)
-  per sampling setting.
+  call gets id b / G in the row keys. One engine (one compiled set) per sampling setting.
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig, fallback=None):
+  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig):
     self.graphdef = graphdef
     self.engine = engine
-    self.fallback = fallback
     self.batch_multiple = 1
     self._engines: dict[sampler_lib.SamplingParams, ContinuousSampler] = {}
     self.stats: dict[str, float] = {}
@@ -455,10 +485,6 @@ class EngineSampler:
     *,
     group_size: int | None = None,
   ) -> sampler_lib.SampleOutput:
-    if sampling.num_topk or sampling.kept_width:
-      if self.fallback is None:
-        raise ValueError("continuous batching records no top-K or kept sets; no fallback given")
-      return self.fallback(params, prompt_tokens, prompt_mask, rng, sampling, group_size=group_size)
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
     if group_size is None:
       group_size = sampler_lib.detect_group_size(tokens, mask)
