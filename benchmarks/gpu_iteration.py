@@ -47,7 +47,7 @@ from flax import nnx  # noqa: E402
 
 from gppo_jax import plan  # noqa: E402
 from gppo_jax.algorithm import objective  # noqa: E402
-from gppo_jax.generation import continuous, sampler  # noqa: E402
+from gppo_jax.generation import continuous, paged, sampler  # noqa: E402
 from gppo_jax.models import architectures  # noqa: E402
 from gppo_jax.models import model as model_lib  # noqa: E402
 from gppo_jax.trainer import train_step  # noqa: E402
@@ -131,9 +131,7 @@ def main() -> None:
   t = time.perf_counter()
   engine.warm_up(params, P, G)
   warm_s = time.perf_counter() - t
-  kv_per_token = (
-    2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-  )
+  kv_per_token = paged.kv_bytes_per_token(cfg)
   # The engine casts the weights to the compute dtype once per rollout; a step reads that copy.
   itemsize = jnp.dtype(cfg.compute_dtype).itemsize
   weight_bytes = sum(x.size * itemsize for x in jax.tree.leaves(params))

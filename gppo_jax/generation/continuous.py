@@ -456,8 +456,7 @@ def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[Slo
 def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
   """The KV cache bytes the fixed-batch sampler holds for `rows` rows (`model.init_cache` of
   prompt + max_new_tokens slots)."""
-  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-  return rows * (prompt_len + max_new_tokens) * per_slot * jnp.dtype(cfg.compute_dtype).itemsize
+  return rows * (prompt_len + max_new_tokens) * paged.kv_bytes_per_token(cfg)
 
 
 class EngineSampler:

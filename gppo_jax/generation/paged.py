@@ -60,8 +60,14 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> PagePool:
 
 def pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
   """The bytes `init_pool` allocates."""
-  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-  return num_pages * page_size * per_slot * jnp.dtype(cfg.compute_dtype).itemsize
+  return num_pages * page_size * kv_bytes_per_token(cfg)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+  """Cache bytes one token holds: its keys and values in every layer, in the compute dtype."""
+  return (
+    2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+  )
 
 
 def write_prefill(pool: PagePool, cache: model_lib.KVCache, pages: jax.Array) -> PagePool:
