@@ -105,7 +105,7 @@ def base(
   # Built-in task (gppo_jax.data.tasks.TASKS), used when data.train_path is None.
   c.task.name = _task_arg(args)
 
-  # Real data (JSONL / Parquet files); see README "Data files".
+  # Real data (JSONL / Parquet files); see docs/guide.md "Data files".
   c.data = ml_collections.ConfigDict()
   c.data.train_path = ml_collections.config_dict.placeholder(str)
   c.data.eval_path = ml_collections.config_dict.placeholder(str)
@@ -162,7 +162,7 @@ def base(
   c.rollout.num_topk = 0  # behaviour top-K to store (needed by the "topk" estimator)
   # Which distribution the behaviour log-probs (and the current policy's in the update) are of:
   # "full" = softmax(logits / T), "sampled" = the one sampled from, truncated by top_k / top_p and
-  # renormalised (the current policy over the behaviour's kept set). README "Training".
+  # renormalised (the current policy over the behaviour's kept set). docs/guide.md "Training".
   c.rollout.logprobs_mode = "full"
   c.rollout.recompute_logprobs = False  # anchor to the rollout log-probs (docs/math.md#notation)
   # With recompute_logprobs: how the update corrects for the sampler's log-probs mu differing from
@@ -188,7 +188,7 @@ def base(
   c.rollout.refill_rounds = 0
   # Stale rollouts, as in asynchronous RL: iteration t samples with the policy of iteration t - k
   # (the initial one while t < k), so even the first update step is off-policy. Keeps k copies of
-  # the parameters (saved in checkpoints). 0 = on-policy sampling. README "Training".
+  # the parameters (saved in checkpoints). 0 = on-policy sampling. docs/guide.md "Training".
   c.rollout.staleness = 0
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
@@ -215,7 +215,7 @@ def base(
   c.reward.overlong_filter = False  # DAPO: truncated responses are left out of the loss
   # Where a math response's final answer is read (math_reward.ANSWER_FORMATS): "boxed" (the last
   # \boxed{}), "answer_line" (DAPO's last `Answer: ...` line) or "either" (the box, else the line).
-  # With data.instruction None it also picks the prompts' instruction. README "Rewards".
+  # With data.instruction None it also picks the prompts' instruction. docs/guide.md "Rewards".
   c.reward.answer_format = "boxed"
 
   c.advantage = ml_collections.ConfigDict()
@@ -243,7 +243,7 @@ def base(
   # How each epoch cuts the rollouts into mini-batches: "groups" shuffles whole groups (each
   # mini- and micro-batch holds complete groups, and the update runs each group's prompt through
   # the model once for its G responses: about half the work on the built-in task), "rows" shuffles
-  # single responses. README "Training".
+  # single responses. docs/guide.md "Training".
   c.train.shuffle = "groups"
   # Cut each rollout batch's responses to its longest one, rounded up to a multiple of this many
   # tokens, before the update (0 = keep all rollout.max_new_tokens columns). The columns cut are
@@ -251,8 +251,8 @@ def base(
   # once (cached on disk). The real-run configs set 0: a 7B update compiles for minutes.
   c.train.trim_bucket = 1
 
-  # The evaluation protocol, separate from the rollout's (README "Evaluation"): greedy accuracy,
-  # avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
+  # The evaluation protocol, separate from the rollout's (docs/guide.md "Evaluation"): greedy
+  # accuracy, avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
   # Every `every` iterations (0 = off): each per-token estimator against the exact divergence over
   # the full vocabulary on the rollout batch, masked fractions by side and behaviour probability,
   # entropy, a log-ratio histogram (docs/math.md#diagnostics): two extra forward passes, after
@@ -783,8 +783,9 @@ REAL_RUN_VARIANTS = {
 }
 REAL_RUN_ARGS: dict[str, bool] = {**dict.fromkeys(REAL_RUN_VARIANTS, False), "cell": True}
 
-# The default recipe's data (README "Data files"), where `python -m gppo_jax.prepare_data NAME
-# --out /data/{train,eval}/NAME.jsonl` writes it. The paper's own benchmark list is not known to us.
+# The default recipe's data (docs/guide.md "Data files"), where
+# `python -m gppo_jax.prepare_data NAME --out /data/{train,eval}/NAME.jsonl` writes it.
+# The paper's own benchmark list is not known to us.
 DATA_ROOT = "/data"
 REAL_RUN_DATA = {
   "math": dict(
@@ -856,7 +857,7 @@ def real_run(
   c.iterations = 500
   # Periodic evaluation: avg@4 and pass@4 per benchmark at T 0.6, top-p 0.95 (about 15% of the
   # run's generation for the math sets). The paper-grade protocol (n = 16, three seeds) is the
-  # evaluate command's job: README "Evaluation".
+  # evaluate command's job: docs/guide.md "Evaluation".
   c.eval.every = 50
   c.eval.n = 4
   c.eval.k = (1, 4)

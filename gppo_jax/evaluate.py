@@ -11,7 +11,7 @@ workdir, or a Hugging Face folder (e.g. a run's hf_export). Without --checkpoint
 config with model.path whose default workdir holds no checkpoints evaluates the model itself. With
 model.path set, evaluation reads only data.eval_path (never the training data).
 
-The protocol is config.eval (README "Evaluation"): greedy accuracy, avg@n and pass@k per
+The protocol is config.eval (docs/guide.md "Evaluation"): greedy accuracy, avg@n and pass@k per
 benchmark with standard errors, and the macro-average per benchmark kind. The report goes to
 --out (default <run folder>/eval/<step>/, or eval/init/ or eval/<folder name>/): report.json and
 report.md, written once the evaluation has succeeded; the Markdown table is also printed.

@@ -1,4 +1,4 @@
-"""Convert the field's public datasets to this project's JSONL layout (README "Data files").
+"""Convert the field's public datasets to this project's JSONL layout (docs/guide.md "Data files").
 
   python -m gppo_jax.prepare_data NAME --out data/eval/aime24.jsonl [--limit N]
   python -m gppo_jax.prepare_data --list
