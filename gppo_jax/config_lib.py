@@ -252,7 +252,8 @@ def base(
   c.train.trim_bucket = 1
 
   # The evaluation protocol, separate from the rollout's (docs/guide.md "Evaluation"): greedy
-  # accuracy, avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark kind.
+  # accuracy, avg@n and pass@k per benchmark with standard errors, macro-averaged per benchmark
+  # kind.
   # Every `every` iterations (0 = off): each per-token estimator against the exact divergence over
   # the full vocabulary on the rollout batch, masked fractions by side and behaviour probability,
   # entropy, a log-ratio histogram (docs/math.md#diagnostics): two extra forward passes, after
