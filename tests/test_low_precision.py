@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gppo_jax.algorithm import objective
-from gppo_jax.models import architectures, attention, low_precision, model, sharding
+from gppo_jax.models import architectures, low_precision, model, sharding
 from gppo_jax.trainer import train_step
 
 
@@ -71,70 +71,23 @@ def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
-@pytest.mark.parametrize("hidden_size, transposed", [(96, False), (32, True)])
-def test_bf16_tied_head_multiplies_in_bf16(hidden_size, transposed):
+@pytest.mark.parametrize("hidden_size", [96, 32])
+def test_bf16_tied_head_multiplies_in_bf16(hidden_size):
   """The tied head's forward and both backward products (`model._head_with_backward`) in bf16,
-  its weight gradient over a row-major copy of the logits' gradient, or with more rows than
-  hidden size as (h^T g)^T over a row-major copy of the hidden states."""
+  its weight gradient over a row-major copy of the logits' gradient, with fewer or more rows
+  than the hidden size."""
   if not _xla_multiplies_bf16_natively():
     pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
   kh, kw = jax.random.split(jax.random.key(4))
   hidden = jax.random.normal(kh, (2, 64, hidden_size), jnp.bfloat16)
   w = 0.1 * jax.random.normal(kw, (256, hidden_size))
   targets = jnp.arange(2 * 64).reshape(2, 64) % 256
-  assert model._transposed_weight_gradient(hidden, w) is transposed
 
   def loss(h, w):
     return jnp.sum(model.chunked_logprob_stats(h, w, targets, tied=True)["logprobs"])
 
   dots = _compiled_dot_operands(jax.grad(loss, argnums=(0, 1)), hidden, w)
   assert len(dots) == 3 and all(d == ("bf16", "bf16") for d in dots), dots
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tied_head_weight_gradient_skips_the_transposed_logits_gradient(dtype, monkeypatch):
-  """On one CPU device a tied head over more rows than its hidden size takes its weight gradient
-  as (h^T g)^T (`model._transposed_weight_gradient`): the compiled backward holds no copy of the
-  [N, V] logits gradient transposed to [V, N], which g^T h makes (XLA's CPU matmul reads its
-  left operand row-major), and the gradients are g^T h's. Fewer rows: g^T h as before."""
-  kh, kw, kc = jax.random.split(jax.random.key(5), 3)
-  hidden = jax.random.normal(kh, (2, 64, 32), dtype)
-  w = 0.1 * jax.random.normal(kw, (256, 32))
-  cot = jax.random.normal(kc, (2, 64, 256))
-  assert model._transposed_weight_gradient(hidden, w)
-  assert not model._transposed_weight_gradient(hidden[:, :8], w)  # 16 rows: 16 V < (16 + V) D
-  loss = lambda h, w: jnp.sum(model.head_logits(h, w, tied=True) * cot)
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  transposed_logits_grad = re.compile(r"\[256,(2,64|128)\]")  # [V, N]
-  assert not transposed_logits_grad.search(grad.lower(hidden, w).compile().as_text())
-  got = grad(hidden, w)
-  monkeypatch.setattr(model, "_transposed_weight_gradient", lambda h, w: False)
-  want_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  assert transposed_logits_grad.search(want_grad.lower(hidden, w).compile().as_text())
-  for a, b in zip(got, want_grad(hidden, w), strict=True):
-    assert a.dtype == b.dtype
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < (1e-6 if dtype == "float32" else 1e-2)
-
-
-def test_bf16_blockwise_attention_multiplies_in_bf16():
-  """The blockwise attention's tile products (forward and backward) on the bf16 operands it
-  makes row-major, looped and unrolled: none converted to float32 where XLA multiplies a plain
-  bf16 product in bf16."""
-  if not _xla_multiplies_bf16_natively():
-    pytest.skip("XLA multiplies bf16 in float32 on this CPU even for a plain product")
-  B, T, H, K, Dh = 2, 200, 4, 2, 32
-  q, k, v = (
-    jax.random.normal(key, (B, T, n, Dh), jnp.bfloat16)
-    for key, n in zip(jax.random.split(jax.random.key(1), 3), (H, K, K), strict=True)
-  )
-  mask = jnp.ones((B, T), bool)
-  for unroll in (True, False):
-    loss = lambda q, k, v, unroll=unroll: jnp.sum(
-      jnp.sin(attention.blockwise(q, k, v, mask, block_size=64, unroll=unroll).astype(jnp.float32))
-    )
-    dots = _compiled_dot_operands(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-    assert len(dots) >= 5 and all(d == ("bf16", "bf16") for d in dots), (unroll, dots)
 
 
 def test_bf16_norm_and_bias_gradients_sum_in_float32():
@@ -230,8 +183,6 @@ def test_rewrites_stay_off_across_a_mesh(monkeypatch):
     mesh = sharding.make_mesh({"fsdp": devices}, jax.devices()[:devices])
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       assert low_precision.applies(x) is want
-      # So does the tied head's transposed weight gradient, in any dtype.
-      assert model._transposed_weight_gradient(jnp.ones((64, 32)), jnp.ones((256, 32))) is want
       # The norms' and biases' float32 ops follow the same rule.
       jaxpr = str(jax.make_jaxpr(model._in_float32, static_argnums=0)(jnp.multiply, x, x))
       assert ("convert_element_type" in jaxpr) is want

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gppo_jax.models import low_precision, partitioning
+from gppo_jax.models import partitioning
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "cudnn", "splash")  # = ModelConfig's choices
 # CPU: dense attention up to this many tokens (few scores: one fused product is cheapest),
@@ -47,12 +47,14 @@ BLOCK_SIZE = 512  # blockwise tile (queries and keys) on GPU / TPU; CPU: `block_
 # CPU blockwise tile: about a quarter of the sequence, within these bounds: smaller tiles skip
 # more of the work above the diagonal and stay in cache, larger ones cost less per-tile loop
 # overhead and run XLA's CPU matmuls nearer their large-matrix rate (docs/performance.md).
+# Earns its place: benchmarks/train_step.py tiny shape ~1.2x against BLOCK_SIZE on CPU.
 CPU_BLOCK_MIN, CPU_BLOCK_MAX = 64, 512
 # CPU, up to this many tokens: "auto" runs blockwise's query tiles as straight-line code, each
 # tile against its whole key prefix in one product (`_unrolled_forward`): no loops, dynamic
 # slices or online rescaling, and larger matmuls. Longer sequences loop: XLA holds every
 # unrolled tile's scores at once (about half of dense's [T, T] per head), and beyond the caches
 # that costs more than the loops save.
+# Earns its place: benchmarks/train_step.py tiny shape ~1.6x against the loops.
 UNROLL_MAX_LEN = 512
 # Key block of the scan decode step over a KV cache (`cached_attention` with T = 1).
 DECODE_BLOCK = 256
@@ -277,10 +279,7 @@ def _key_grad(x, p):
   """float32 [B,K,Dh,bk]: the key-side gradient sum over the rows of x [B,K,bq*G,Dh] times
   p [B,K,bq*G,bk], transposed. Written as p^T x, XLA (CPU) first copies the [.., bq, bk] block
   into the transposed layout its matmul takes (a copy of every score block); as x^T p only the
-  Dh-wide operand is transposed, bk/Dh times less data. In bf16 on CPU that operand is copied
-  row-major (`low_precision`): XLA would multiply it in float32 otherwise."""
-  if low_precision.applies(x):
-    return _merged_dot(low_precision.row_major(x.swapaxes(2, 3)), p, "dn")
+  Dh-wide operand is transposed, bk/Dh times less data."""
   dims = (((2,), (2,)), ((0, 1), (0, 1)))
   return jax.lax.dot_general(x, p, dims, preferred_element_type=jnp.float32)
 
@@ -449,7 +448,7 @@ def _flash_fwd(q, k, v, mask, tile, unroll):
 
 def _flash_bwd(tile, unroll, res, dout):
   backward = _unrolled_backward if unroll else _flash_backward
-  return (*backward(*res, low_precision.row_major(dout), tile), None)
+  return (*backward(*res, dout, tile), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -479,9 +478,8 @@ def blockwise(
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     mask = jnp.pad(mask, ((0, 0), (0, pad)))
   Tp = T + pad
-  # Row-major copies in bf16 on CPU, whose products XLA would otherwise run in float32.
-  qh = low_precision.row_major(q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 1, 3, 4))
-  kh, vh = (low_precision.row_major(x.transpose(0, 2, 1, 3)) for x in (k, v))  # [B,K,Tp,Dh]
+  qh = q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 1, 3, 4)
+  kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,Dh]
   out = _flash(qh, kh, vh, mask, tile, unroll)
   return out.transpose(0, 2, 1, 3, 4).reshape(B, Tp, H, Dh)[:, :T]
 

@@ -564,11 +564,10 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 def head_logits(hidden, w, tied, w_low=None):
   """float32 logits hidden @ W (W [D, V], or [V, D] when tied) from operands in hidden's dtype,
-  accumulated in float32. In a low-precision compute dtype, and on one CPU device where a tied
-  head's weight gradient is better transposed (`_transposed_weight_gradient`), through
-  `_head_with_backward`; w_low, W already in hidden's dtype, saves casting it again (the chunked
-  head casts it once for all chunks)."""
-  if jnp.dtype(hidden.dtype).itemsize < 4 or (tied and _transposed_weight_gradient(hidden, w)):
+  accumulated in float32. In a low-precision compute dtype through `_head_with_backward`; w_low,
+  W already in hidden's dtype, saves casting it again (the chunked head casts it once for all
+  chunks)."""
+  if jnp.dtype(hidden.dtype).itemsize < 4:
     w_low = w.astype(hidden.dtype) if w_low is None else w_low
     return _head_with_backward(tied, hidden, w, jax.lax.stop_gradient(w_low))
   return _head_matmul(hidden, w.astype(hidden.dtype), tied)
@@ -579,17 +578,6 @@ def _head_matmul(hidden, w, tied):
   return jnp.einsum(spec, hidden, w, preferred_element_type=jnp.float32)
 
 
-def _transposed_weight_gradient(hidden, w) -> bool:
-  """Whether a tied head's weight gradient [V, D] is taken as (h^T g)^T rather than autodiff's
-  g^T h: on one CPU device (`low_precision.one_cpu_device`), whose matmul reads its left operand
-  row-major, so g^T h first copies the [N, V] logits gradient g into the transposed layout;
-  (h^T g)^T copies h [N, D] and the [D, V] product instead, fewer elements where
-  N V > (N + V) D (N > D rows for a large vocab). GPU and TPU
-  matmuls read transposed operands in place: g^T h stays there."""
-  n, (v, d) = math.prod(hidden.shape[:-1]), w.shape
-  return low_precision.one_cpu_device() and n * v > (n + v) * d
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _head_with_backward(tied, hidden, w, w_low):
   """`_head_matmul` of hidden and w_low (W in hidden's dtype; only W gets a gradient) with a
@@ -597,8 +585,8 @@ def _head_with_backward(tied, hidden, w, w_low):
   operands (the float32 logits cotangent rounded to hidden's dtype) with float32 accumulation,
   as the layers' own backward does: autodiff would multiply the float32 cotangent by the
   low-precision W, i.e. a float32 matmul (on GPU at TF32 rate: a large vocab makes it a sizeable
-  part of the step). dW comes back in W's dtype, summed in float32
-  (not rounded to bf16 on its way); a tied dW is (h^T g)^T where `_transposed_weight_gradient`."""
+  part of the step). dW comes back in W's dtype, summed in float32 (not rounded to bf16 on its
+  way)."""
   return _head_matmul(hidden, w_low, tied)
 
 
@@ -614,14 +602,10 @@ def _head_with_backward_bwd(tied, residuals, g):
   dh = jnp.einsum("...v,vd->...d" if tied else "...v,dv->...d", g, w, preferred_element_type=f32)
   g2, h2 = g.reshape(-1, g.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
   # Products on row-major operands, which XLA's CPU backend multiplies in bf16 (low_precision).
-  if not tied or _transposed_weight_gradient(hidden, w):
-    dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)  # [D, V]
-    if tied:
-      # The barrier keeps XLA from folding the transpose into the product's output layout: a
-      # bf16 product with a transposed output, which its CPU backend plans but cannot run.
-      dw = jax.lax.optimization_barrier(dw).T
+  if tied:
+    dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)  # [V, D]
   else:
-    dw = jnp.dot(low_precision.transposed(g2), h2, preferred_element_type=f32)
+    dw = jnp.dot(low_precision.transposed(h2), g2, preferred_element_type=f32)  # [D, V]
   return dh.astype(hidden.dtype), dw.astype(w_dtype.dtype), None
 
 
