@@ -171,9 +171,9 @@ def base(
   # "token" or per "sequence" (the product of the response's ratios). mismatch/* logs the gap:
   # frac_beyond is the share of tokens with |log(pi_old / mu)| > mismatch_threshold.
   # How rollouts and evaluations decode: "fixed" batches, or "continuous" batching over a paged KV
-  # cache (generation/continuous.py; one device for now): `slots` responses decode at once (0:
-  # every row of a rollout), pages of `page_size` cache slots, a pool of `kv_pages` pages (0: sized
-  # by the engine), `decode_chunk` steps per compiled call.
+  # cache (generation/continuous.py; on a mesh split over the batch shards): `slots` responses
+  # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
+  # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
   c.rollout.engine = "fixed"
   c.rollout.slots = 0
   c.rollout.page_size = 16

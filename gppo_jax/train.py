@@ -280,22 +280,21 @@ def _iteration_keys(seed_key, iteration):
 
 def _sample_fn(config, graphdef, param_shardings, mesh):
   """The sampler of rollouts and evaluations: the fixed-batch `MeshSampler`, or with
-  rollout.engine="continuous" continuous batching (one device for now)."""
+  rollout.engine="continuous" continuous batching on the mesh's batch shards."""
   r = config.rollout
   if r.get("engine", "fixed") != "continuous":
     return sampler.MeshSampler(graphdef, param_shardings)
-  if mesh.devices.size > 1:
+  shards = sharding.batch_shards(mesh)
+  slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
+  if slots % shards:
     raise errors.ConfigError(
-      f"rollout.engine='continuous' runs on one device for now; this mesh has "
-      f"{mesh.devices.size} ({dict(mesh.shape)}): use rollout.engine='fixed' or one device"
+      f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
+      f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
     )
   engine = continuous.EngineConfig(
-    slots=r.slots or r.prompts_per_iter * r.group_size,
-    page_size=r.page_size,
-    num_pages=r.kv_pages or None,
-    chunk=r.decode_chunk,
+    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk
   )
-  return continuous.EngineSampler(graphdef, engine)
+  return continuous.EngineSampler(graphdef, engine, mesh)
 
 
 def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: dict):

@@ -22,6 +22,12 @@ preempted: their pages are freed and they are queued again, to be regenerated fr
 Compiled shapes: the decode chunk once per (sampling, slots, pages, prompt length); the prefill
 once per power-of-two count of prompts up to `prefill_rows`. Neither grows with max_new_tokens
 or the number of prompts.
+
+On a mesh the slots split into one group per batch shard (data x fsdp): each group has a pool of
+pages of its own, on its shard's devices, and the device programs run the groups side by side (a
+leading shard axis, vmapped), so a slot only ever reads pages held where it runs. A prompt's G
+samples share one group (and its prompt pages). Every process runs the same host bookkeeping on
+the same gathered values, so it serves several hosts as `sampler.MeshSampler` does.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from flax import nnx
 from gppo_jax.generation import paged
 from gppo_jax.generation import sampler as sampler_lib
 from gppo_jax.models import model as model_lib
+from gppo_jax.models import partitioning, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +76,10 @@ class EngineConfig:
 
 @flax.struct.dataclass
 class SlotState:
-  """The decode slots on device. length: cache slots filled (where the next fed token goes);
-  start: the first real cache slot (after the prompt's left padding); step: response tokens
-  drawn; keys: the row keys' data."""
+  """The decode slots of one shard's group on device (the engine holds R groups stacked on a
+  leading axis). length: cache slots filled (where the next fed token goes); start: the first
+  real cache slot (after the prompt's left padding); step: response tokens drawn; keys: the row
+  keys' data."""
 
   pool: paged.PagePool
   last_token: jax.Array  # int32 [S]
@@ -94,82 +102,180 @@ def _pages(n: int, page_size: int) -> int:
   return -(-n // page_size)
 
 
+class _GroupPages:
+  """The host's page tables of R slot groups, one `paged.PageTable` (over a pool of its own) per
+  group, addressed by global slot id g = group * slots_per_group + local slot."""
+
+  def __init__(self, groups: int, num_pages: int, slots: int, max_pages: int, prompt_pages: int,
+               page_size: int):  # fmt: skip
+    self.per_group = slots // groups
+    self.tables = [
+      paged.PageTable(num_pages, self.per_group, max_pages, prompt_pages, page_size)
+      for _ in range(groups)
+    ]
+    self.prompt_pages = prompt_pages
+
+  def _at(self, slot: int) -> tuple[paged.PageTable, int]:
+    return self.tables[slot // self.per_group], slot % self.per_group
+
+  def group(self, slot: int) -> int:
+    return slot // self.per_group
+
+  def free(self, group: int) -> int:
+    return len(self.tables[group].free)
+
+  def take_prompt(self, slots: Sequence[int]) -> list[int]:
+    table, _ = self._at(slots[0])
+    return table.take_prompt([self._at(s)[1] for s in slots])
+
+  def wanted(self, slot: int, upto: int) -> int:
+    table, local = self._at(slot)
+    return table.wanted(local, upto)
+
+  def grow(self, slot: int, upto: int) -> None:
+    table, local = self._at(slot)
+    table.grow(local, upto)
+
+  def release(self, slot: int) -> None:
+    table, local = self._at(slot)
+    table.release(local)
+
+  @property
+  def in_use(self) -> int:
+    return sum(t.in_use for t in self.tables)
+
+  @property
+  def table(self) -> np.ndarray:
+    """int32 [R, slots per group, max_pages]: each group's page ids in its own pool."""
+    return np.stack([t.table for t in self.tables])
+
+
 class ContinuousSampler:
   """Samples G responses for each of a list of prompts with continuous batching (module doc).
 
   Rows of the output are prompt-major (row i * G + j: sample j of prompt i), right-padded with
-  pad_id after the stop token, like `sampler.SampleOutput`. One device (the default one).
+  pad_id after the stop token, like `sampler.SampleOutput`. On the default device, or with `mesh`
+  on its batch shards (data x fsdp: `slots` must be a multiple of their count), the parameters
+  as they come (e.g. the trainer's shardings).
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, sampling: sampler_lib.SamplingParams,
-               engine: EngineConfig = EngineConfig()):  # fmt: skip
+  def __init__(
+    self,
+    graphdef: nnx.GraphDef,
+    sampling: sampler_lib.SamplingParams,
+    engine: EngineConfig = EngineConfig(),
+    mesh: jax.sharding.Mesh | None = None,
+  ):
     self.graphdef = graphdef
     self.sampling = sampling
     self.engine = engine
+    self.mesh = mesh
+    self.groups = sharding.batch_shards(mesh) if mesh is not None else 1
+    if engine.slots % self.groups:
+      raise ValueError(
+        f"EngineConfig.slots={engine.slots} must be a multiple of the mesh's {self.groups} batch "
+        f"shards ({dict(mesh.shape)}): each shard decodes slots / {self.groups} of them"
+      )
+    self.per_group = engine.slots // self.groups
+    # The state's and the host inputs' placement: the leading group axis over the batch shards.
+    self._spread = (
+      None
+      if mesh is None
+      else jax.sharding.NamedSharding(mesh, partitioning.batch_spec((self.groups,), mesh))
+    )
     self.stats: dict[str, float] = {}
 
   def pool_pages(self, prompt_len: int, group_size: int) -> int:
-    """The pool's pages: EngineConfig.num_pages, or enough for each slot's prompt share and a
-    third of max_new_tokens, and never fewer than one whole row needs."""
+    """Pages of each group's pool: EngineConfig.num_pages split over the groups, or enough for
+    each slot's prompt share and a third of max_new_tokens, and never fewer than one whole row
+    needs."""
     e, n = self.engine, self.sampling.max_new_tokens
     row = _pages(prompt_len + n - 1, e.page_size)
     if e.num_pages is not None:
-      if e.num_pages - 1 < row:
+      pages = 1 + (e.num_pages - 1) // self.groups
+      if pages - 1 < row:
         raise ValueError(
           f"EngineConfig.num_pages={e.num_pages} holds fewer than the {row} pages one response "
           f"of prompt {prompt_len} + {n} new tokens needs (plus the reserved page 0)"
+          + (f" in each of the {self.groups} shards' pools" if self.groups > 1 else "")
         )
-      return e.num_pages
-    prompts = _pages(e.slots, group_size) * (prompt_len // e.page_size)
-    return 1 + max(row, prompts + e.slots * _pages(n // 3 + e.chunk, e.page_size))
+      return pages
+    S = self.per_group
+    prompts = _pages(S, group_size) * (prompt_len // e.page_size)
+    return 1 + max(row, prompts + S * _pages(n // 3 + e.chunk, e.page_size))
+
+  def _put(self, tree):
+    """Host arrays with a leading group axis -> device arrays placed like the state (each
+    process passes every group; it feeds those its devices hold)."""
+    if self._spread is None:
+      return tree
+    rows = sharding.process_rows(self.groups, self.mesh)
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(self._spread, np.asarray(x)[rows]), tree
+    )
 
   def _admit_units(self, params, state, units, pages, tokens, mask, key_data, limits, G):
-    """Prefills `units` ((prompt, sample ids, slots) each) in one call padded to a power of two
-    of prompts (dummy prompts write to the trash page and start no slot)."""
-    sp, S = self.sampling, self.engine.slots
+    """Prefills `units` ((prompt, sample ids, slots) each; a unit's slots in one group) in one
+    call, each group's padded to the same power of two of prompts (dummy prompts write to the
+    trash page and start no slot)."""
+    sp, R, Sg = self.sampling, self.groups, self.per_group
     P = tokens.shape[1]
-    m = 1 << (len(units) - 1).bit_length()
-    p_tok = np.full((m, P), sp.pad_id, np.int32)
-    p_mask = np.zeros((m, P), bool)
-    p_mask[:, -1] = True  # dummy prompts: one real token
-    p_pages = np.full((m, pages.prompt_pages), paged.TRASH_PAGE, np.int32)
-    slot_ids = np.full((m, G), S, np.int32)  # S: out of range, dropped
-    row_keys = np.zeros((m, G, *key_data.shape[1:]), key_data.dtype)
-    lim = np.ones((m, G), np.int32)
-    for u, (prompt, samples, slots) in enumerate(units):
-      p_tok[u], p_mask[u] = tokens[prompt], mask[prompt]
-      p_pages[u] = pages.take_prompt(slots)
-      rows = [prompt * G + j for j in samples]
-      slot_ids[u, : len(slots)] = slots
-      row_keys[u, : len(slots)] = key_data[rows]
-      lim[u, : len(slots)] = limits[rows]
-    return _admit(self.graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, lim)
+    by_group = [[u for u in units if pages.group(u[2][0]) == r] for r in range(R)]
+    m = 1 << (max(map(len, by_group)) - 1).bit_length()
+    p_tok = np.full((R, m, P), sp.pad_id, np.int32)
+    p_mask = np.zeros((R, m, P), bool)
+    p_mask[..., -1] = True  # dummy prompts: one real token
+    p_pages = np.full((R, m, pages.prompt_pages), paged.TRASH_PAGE, np.int32)
+    slot_ids = np.full((R, m, G), Sg, np.int32)  # Sg: out of range, dropped
+    row_keys = np.zeros((R, m, G, *key_data.shape[1:]), key_data.dtype)
+    lim = np.ones((R, m, G), np.int32)
+    for r, group_units in enumerate(by_group):
+      for u, (prompt, samples, slots) in enumerate(group_units):
+        p_tok[r, u], p_mask[r, u] = tokens[prompt], mask[prompt]
+        p_pages[r, u] = pages.take_prompt(slots)
+        rows = [prompt * G + j for j in samples]
+        slot_ids[r, u, : len(slots)] = [s % Sg for s in slots]
+        row_keys[r, u, : len(slots)] = key_data[rows]
+        lim[r, u, : len(slots)] = limits[rows]
+    inputs = self._put((p_tok, p_mask, p_pages, slot_ids, row_keys, lim))
+    return _admit(self.graphdef, sp, self._spread, params, state, *inputs)
+
+  def _init(self, model_cfg, num_pages, key_shape) -> SlotState:
+    e, sp = self.engine, self.sampling
+    return _init_state(
+      model_cfg, self.groups, self.per_group, num_pages, e.page_size, key_shape, sp, self._spread
+    )
 
   def warm_up(self, params: nnx.State, prompt_len: int, group_size: int = 1) -> None:
     """Compiles every program a call with these shapes may run (the decode chunk and the
     prefill of each power-of-two prompt count), on dummy inputs whose writes go to the trash
     page: what a benchmark or a first rollout would otherwise compile as it goes."""
-    e, sp = self.engine, self.sampling
+    e, sp, R = self.engine, self.sampling, self.groups
     P = -(-prompt_len // e.page_size) * e.page_size
     num_pages = self.pool_pages(P, group_size)
     max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
     cfg = _model_cfg(self.graphdef, params)
+    params = _in_compute_dtype(params, cfg.compute_dtype)
     key_shape = jax.random.key_data(jax.random.key(0)).shape
-    state = _init_state(cfg, e.slots, num_pages, e.page_size, key_shape, sp)
+    state = self._init(cfg, num_pages, key_shape)
     m = 1
     while True:
-      p_mask = np.ones((m, P), bool)
-      state = _admit(
-        self.graphdef, sp, params, state, np.zeros((m, P), np.int32), p_mask,
-        np.zeros((m, P // e.page_size), np.int32), np.full((m, group_size), e.slots, np.int32),
-        np.zeros((m, group_size, *key_shape), np.uint32), np.ones((m, group_size), np.int32),
-      )  # fmt: skip
+      inputs = self._put((
+        np.zeros((R, m, P), np.int32), np.ones((R, m, P), bool),
+        np.zeros((R, m, P // e.page_size), np.int32),
+        np.full((R, m, group_size), self.per_group, np.int32),
+        np.zeros((R, m, group_size, *key_shape), np.uint32), np.ones((R, m, group_size), np.int32),
+      ))  # fmt: skip
+      state = _admit(self.graphdef, sp, self._spread, params, state, *inputs)
       if m >= e.prefill_rows:
         break
       m *= 2
-    table = np.zeros((e.slots, max_pages), np.int32)
-    jax.block_until_ready(_decode(self.graphdef, sp, e.chunk, params, state, table,
-                                  np.zeros(e.slots, bool)))  # fmt: skip
+    table, active = self._put(
+      (np.zeros((R, self.per_group, max_pages), np.int32), np.zeros((R, self.per_group), bool))
+    )
+    jax.block_until_ready(
+      _decode(self.graphdef, sp, e.chunk, self._spread, params, state, table, active)
+    )
 
   def __call__(
     self,
@@ -187,9 +293,12 @@ class ContinuousSampler:
     id in the row keys (default 0, 1, ...); row_limits: int32 [num_prompts * G], each row's own
     max_new_tokens (as `sampler.sample`'s)."""
     e, sp = self.engine, self.sampling
-    S, ps, N, G = e.slots, e.page_size, sp.max_new_tokens, group_size
-    if G < 1 or G > S:
-      raise ValueError(f"group_size={G} must be in [1, slots={S}]")
+    S, ps, N, G, R = e.slots, e.page_size, sp.max_new_tokens, group_size, self.groups
+    if G < 1 or G > self.per_group:
+      raise ValueError(
+        f"group_size={G} must be in [1, slots per shard={self.per_group}] (slots={S} over "
+        f"{R} batch shards)"
+      )
     longest = max(map(len, prompts))
     P = -(-max(prompt_len or 0, longest) // ps) * ps
     tokens, mask = sampler_lib.left_pad(prompts, pad_id=sp.pad_id, length=P)
@@ -207,7 +316,7 @@ class ContinuousSampler:
     max_pages = _pages(P + N - 1, ps)
     model_cfg = _model_cfg(self.graphdef, params)
     params = _in_compute_dtype(params, model_cfg.compute_dtype)
-    state = _init_state(model_cfg, S, num_pages, ps, key_data.shape[1:], sp)
+    state = self._init(model_cfg, num_pages, key_data.shape[1:])
 
     out_tokens = np.full((len(prompts) * G, N), sp.pad_id, np.int32)
     out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
@@ -224,8 +333,8 @@ class ContinuousSampler:
     }
     out_len = np.zeros(len(prompts) * G, np.int32)
 
-    pages = paged.PageTable(num_pages, S, max_pages, P // ps, ps)
-    active = np.zeros(S, bool)
+    pages = _GroupPages(R, num_pages, S, max_pages, P // ps, ps)
+    active = np.zeros(S, bool)  # global slot ids: group * slots per group + local slot
     done = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
     length = np.zeros(S, np.int32)  # cache slots filled
     slot_row = np.full(S, -1)  # the output row a slot generates
@@ -234,29 +343,40 @@ class ContinuousSampler:
     counters = collections.Counter()
     peak_pages = 0
     chunk_end = lambda slot: min(int(length[slot]) + e.chunk, P + N - 1)  # slots it may write
+    first = -(-min(P + e.chunk, P + N - 1) // ps) - P // ps  # a new row's first pages
+    group_slots = lambda r: range(r * self.per_group, (r + 1) * self.per_group)
+    flat = lambda x: np.asarray(x).reshape(S, *np.shape(x)[2:])  # [R, S/R, ...] -> [S, ...]
 
     def release(slot: int) -> None:
       pages.release(slot)
       active[slot], slot_row[slot] = False, -1
 
     while pending or active.any():
-      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows,
-      # keeping the pages the running rows' next chunk needs (admitting into them would only
-      # preempt them).
-      free_slots = list(np.flatnonzero(~active))
-      budget = len(pages.free) - sum(
-        pages.wanted(s, chunk_end(s)) for s in np.flatnonzero(active & ~done)
-      )
-      first = -(-min(P + e.chunk, P + N - 1) // ps) - P // ps  # a new row's first pages
-      units = []
-      while pending and len(units) < e.prefill_rows:
+      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows in one
+      # group, keeping the pages the running rows' next chunk needs (admitting into them would
+      # only preempt them). Each prompt goes to the group with the most free slots.
+      free_slots = [[s for s in group_slots(r) if not active[s]] for r in range(R)]
+      budget = [
+        pages.free(r)
+        - sum(pages.wanted(s, chunk_end(s)) for s in group_slots(r) if active[s] and not done[s])
+        for r in range(R)
+      ]
+      units, admitted = [], [0] * R
+      while pending:
         prompt, samples = pending[0]
         need = P // ps + len(samples) * first
-        if len(samples) > len(free_slots) or need > budget:
+        fits = [
+          r for r in range(R)
+          if len(samples) <= len(free_slots[r]) and need <= budget[r]
+          and admitted[r] < e.prefill_rows
+        ]  # fmt: skip
+        if not fits:
           break
+        r = max(fits, key=lambda r: (len(free_slots[r]), -r))
         pending.popleft()
-        budget -= need
-        units.append((prompt, samples, [int(free_slots.pop(0)) for _ in samples]))
+        budget[r] -= need
+        admitted[r] += 1
+        units.append((prompt, samples, [int(free_slots[r].pop(0)) for _ in samples]))
       if units:
         state = self._admit_units(params, state, units, pages, tokens, mask, key_data, limits, G)
         for prompt, samples, slots in units:
@@ -267,33 +387,36 @@ class ContinuousSampler:
         counters["prefill_calls"] += 1
         counters["prefilled_prompts"] += len(units)
 
-      # 2. Pages for the next chunk; preempt the latest-admitted rows when the pool runs short
-      # (they are regenerated from the start: the same response, by batch invariance).
-      running = [int(s) for s in np.flatnonzero(active & ~done)]
-      while sum(pages.wanted(s, chunk_end(s)) for s in running) > len(pages.free):
-        victim = max(running, key=lambda s: slot_order[s])
-        row = int(slot_row[victim])
-        pending.appendleft((row // G, [row % G]))
-        release(victim)
-        running.remove(victim)
-        counters["preempted"] += 1
-      for s in running:
-        pages.grow(s, chunk_end(s))
+      # 2. Pages for the next chunk; in each group, preempt its latest-admitted rows when its
+      # pool runs short (they are regenerated from the start: the same response, by batch
+      # invariance).
+      for r in range(R):
+        running = [s for s in group_slots(r) if active[s] and not done[s]]
+        while sum(pages.wanted(s, chunk_end(s)) for s in running) > pages.free(r):
+          victim = max(running, key=lambda s: slot_order[s])
+          row = int(slot_row[victim])
+          pending.appendleft((row // G, [row % G]))
+          release(victim)
+          running.remove(victim)
+          counters["preempted"] += 1
+        for s in running:
+          pages.grow(s, chunk_end(s))
       peak_pages = max(peak_pages, pages.in_use)
 
       # 3. Decode a chunk, then collect the rows that stopped.
-      state, steps = _decode(self.graphdef, sp, e.chunk, params, state, pages.table, active)
-      done, length[:], steps = jax.device_get((state.done, state.length, steps))
-      done = np.array(done)
+      table, live = self._put((pages.table, active.reshape(R, -1)))
+      state, steps = _decode(self.graphdef, sp, e.chunk, self._spread, params, state, table, live)
+      done, filled, steps = sharding.to_host((state.done, state.length, steps))
+      done, length[:] = flat(done).copy(), flat(filled)
       counters["decode_calls"] += 1
-      counters["decode_steps"] += int(steps)
+      counters["decode_steps"] += int(np.max(steps))
       finished = np.flatnonzero(active & done)
       if finished.size:
         # Whole [S, N] buffers: a gather of the finished rows would compile per count.
-        toks, lps, ents, steps, ext = jax.device_get(
+        toks, lps, ents, steps, ext = jax.tree.map(flat, sharding.to_host(
           (state.tokens, state.logprobs, state.entropy, state.step,
            {k: getattr(state, k) for k in extras})
-        )  # fmt: skip
+        ))  # fmt: skip
         rows = slot_row[finished]
         out_tokens[rows], out_logprobs[rows] = toks[finished], lps[finished]
         out_entropy[rows], out_len[rows] = ents[finished], steps[finished]
@@ -305,9 +428,9 @@ class ContinuousSampler:
     counters.pop("admitted", None)
     self.stats = dict(
       counters,
-      num_pages=num_pages,
+      num_pages=num_pages * R,
       peak_pages=peak_pages,
-      pool_bytes=paged.pool_bytes(model_cfg, num_pages, ps),
+      pool_bytes=R * paged.pool_bytes(model_cfg, num_pages, ps),
       prompt_len=P,
     )
     out_mask = np.arange(N)[None] < out_len[:, None]
@@ -334,11 +457,17 @@ def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
   return jax.tree.map(cast, params)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _init_state(cfg, S, num_pages, page_size, key_shape, sp) -> SlotState:
+def _spread_over(spread, tree):
+  """tree with its leading (group) axis placed by `spread` (None: left to XLA)."""
+  return tree if spread is None else jax.lax.with_sharding_constraint(tree, spread)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotState:
+  """R groups' empty states, S slots and a pool of num_pages pages each, stacked."""
   zi = jnp.zeros((S,), jnp.int32)
   N, K, W, pad_id = sp.max_new_tokens, sp.num_topk, sp.kept_width, sp.pad_id
-  return SlotState(
+  one = SlotState(
     pool=paged.init_pool(cfg, num_pages, page_size),
     last_token=zi,
     position=zi,
@@ -355,14 +484,21 @@ def _init_state(cfg, S, num_pages, page_size, key_shape, sp) -> SlotState:
     topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
     kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
   )
+  return _spread_over(spread, jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), one))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _admit(
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _admit(graphdef, sp, spread, params, state, *inputs) -> SlotState:
+  """`_admit_group` in every group at once (inputs with a leading group axis)."""
+  admit = lambda state, *inputs: _admit_group(graphdef, sp, params, state, *inputs)
+  return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+
+
+def _admit_group(
   graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, limits
 ) -> SlotState:
-  """Prefills m prompts into their pages and starts their rows (slot_ids [m, G], out-of-range
-  ids dropped): the first token of each row drawn from the prompt's last logits."""
+  """Prefills m prompts into one group's pages and starts their rows (slot_ids [m, G],
+  out-of-range ids dropped): the first token of each row drawn from the prompt's last logits."""
   model = nnx.merge(graphdef, params)
   m, P = p_tok.shape
   G = slot_ids.shape[1]
@@ -411,10 +547,17 @@ def _records(state: SlotState, topk, kept, write, sp) -> dict:
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode(graphdef, sp, chunk, params, state, page_table, active) -> tuple[SlotState, jax.Array]:
-  """Up to `chunk` decode steps of every live slot (active and not done); also returns the
-  steps taken."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _decode(graphdef, sp, chunk, spread, params, state, page_table, active):
+  """`_decode_group` in every group at once (a leading group axis): (state, steps [R])."""
+  decode = lambda state, table, active: _decode_group(graphdef, sp, chunk, params, state, table,
+                                                      active)  # fmt: skip
+  return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
+
+
+def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
+  """Up to `chunk` decode steps of every live slot of one group (active and not done); also
+  returns the steps taken."""
   S, N = state.tokens.shape
   rows = jnp.arange(S)
   stop_ids = jnp.asarray(sp.stop_ids, jnp.int32)
@@ -464,12 +607,15 @@ class EngineSampler:
   and evaluations call with `rollout.engine="continuous"`.
 
   Takes the same left-padded rows (runs of `group_size` identical prompts); prompt b / G of the
-  call gets id b / G in the row keys. One engine (one compiled set) per sampling setting.
+  call gets id b / G in the row keys. One engine (one compiled set) per sampling setting. With
+  `mesh`, on its batch shards (`ContinuousSampler`).
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig):
+  def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig,
+               mesh: jax.sharding.Mesh | None = None):  # fmt: skip
     self.graphdef = graphdef
     self.engine = engine
+    self.mesh = mesh
     self.batch_multiple = 1
     self._engines: dict[sampler_lib.SamplingParams, ContinuousSampler] = {}
     self.stats: dict[str, float] = {}
@@ -487,11 +633,11 @@ class EngineSampler:
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
     if group_size is None:
       group_size = sampler_lib.detect_group_size(tokens, mask)
-    G = math.gcd(group_size, self.engine.slots)
-    prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
     if sampling not in self._engines:
-      self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine)
+      self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine, self.mesh)
     engine = self._engines[sampling]
+    G = math.gcd(group_size, engine.per_group)
+    prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
     out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
     self.stats = engine.stats
     return out
