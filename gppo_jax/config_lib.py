@@ -203,6 +203,8 @@ def base(
   c.loss.aggregation = loss.aggregation
   c.loss.max_len = ml_collections.config_dict.placeholder(int)  # Dr.GRPO normaliser (default R)
   c.loss.ratio_cap = ml_collections.config_dict.placeholder(float)
+  # "sequence": every token uses its response's ratio exp(mean_t log r_t) (GSPO; estimator mc).
+  c.loss.ratio_level = "token"
   c.loss.dual_clip = ml_collections.config_dict.placeholder(float)
   c.loss.kl_coef = 0.0  # penalty to the frozen initial policy (k3)
   c.loss.entropy_coef = 0.0
@@ -540,6 +542,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("loss.aggregation", OneOf(objective.AGGREGATIONS)),
     ("loss.max_len", Int(1, none_ok=True)),
     ("loss.ratio_cap", Range(1, none_ok=True, note=" (cap on the importance weight)")),
+    ("loss.ratio_level", OneOf(objective.RATIO_LEVELS)),
     ("loss.dual_clip", Range(1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")),
     ("loss.kl_coef", Range(0)),
     ("loss.entropy_coef", Range(0)),
@@ -646,7 +649,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
   # Names are checked against the registries here, before any compile.
-  from gppo_jax.algorithm import advantages, divergences, estimators
+  from gppo_jax.algorithm import advantages, divergences, estimators, objective
   from gppo_jax.data import envs, tasks
   from gppo_jax.models import architectures
 
@@ -720,6 +723,8 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   _check_eval_relations(c.eval)
   if c.loss.estimator == "topk" and not r.num_topk:
     raise errors.ConfigError("loss.estimator='topk' needs rollout.num_topk > 0 (e.g. 20)")
+  if c.loss.get("ratio_level") == "sequence" and c.loss.estimator != "mc":
+    raise errors.ConfigError("loss." + objective.sequence_estimator_problem(c.loss.estimator))
   if c.loss.estimator == "exact":
     raise errors.ConfigError(
       "loss.estimator='exact' is a diagnostic (estimators.estimate over the full vocabulary), "

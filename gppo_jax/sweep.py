@@ -8,9 +8,10 @@
 
 Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess, --jobs at a time):
   cells   `<divergence>_<estimator>` for tv/kl/hellinger/chi2 x mc/binary/atomic (`grid` = all 12),
-          the presets of algorithm/presets.py (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo) with
-          their own radii and advantage, and `none`: tv_mc with an infinite radius (importance-
-          weighted policy gradient, nothing is ever masked), the baseline a trust region must beat.
+          the presets of algorithm/presets.py (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo, gspo,
+          cispo) with their own radii and advantage, and `none`: tv_mc with an infinite radius
+          (importance-weighted policy gradient, nothing is ever masked), the baseline a trust
+          region must beat.
   radius  --rules: how a grid cell's delta is calibrated. `f_eps`: delta_f = f(1 - eps) (theory.
           default_delta, PPO's contraction side; eps = --eps). `equal_tv`: delta_f = L_f(V), the
           radius whose TV radius (theory.tv_radius) is V, the TV radius of the reference cell tv_mc
@@ -139,7 +140,13 @@ def parse_cells(text: str) -> list[str]:
     for cell in GRID if name == "grid" else (name,):
       if cell not in GRID and cell != NONE and cell not in presets.names():
         choices = ["grid", *GRID, NONE, *presets.names()]
-        raise errors.unknown_name("sweep cell", cell, choices, " (--cells)")
+        raise errors.UnknownNameError(
+          f"unknown sweep cell {cell!r}{errors.did_you_mean(cell, choices)}; valid names: "
+          f"{', '.join(choices)} (--cells)",
+          kind="sweep cell",
+          name=cell,
+          choices=choices,
+        )
       if cell not in out:
         out.append(cell)
   if not out:

@@ -6,5 +6,5 @@
 - `advantages`: group-relative advantage estimators.
 - `theory`: bounds, radii, level sets; the default radius f(1 - eps).
 - `correction`: the rollout/trainer log-prob mismatch, measured, and its tis / mis corrections.
-- `presets`: PPO, GRPO, DAPO, DPPO, RIPO ... as a `LossConfig` plus an advantage.
+- `presets`: PPO, GRPO, DAPO, DPPO, RIPO, GSPO, CISPO ... as a `LossConfig` plus an advantage.
 """

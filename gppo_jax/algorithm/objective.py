@@ -7,8 +7,10 @@ stopped only when the update would push it further out (A (r - 1) > 0):
   loss  = - aggregate_t( stop_gradient(1 - out_t) * r_t * A_t )
 
 With divergence="tv", estimator="mc" and delta = eps / 2 this is PPO's clipped objective (identical
-gradients). The per-token loss is aggregated as a (sum, count) pair so that gradient accumulation
-over micro-batches reproduces the full-batch loss exactly (pass the full count as `normalizer`).
+gradients). With ratio_level="sequence" every token of a response uses the response's
+length-normalised ratio s_i = exp(mean_t l_t) in place of r_t (GSPO, docs/math.md#gspo). The
+per-token loss is aggregated as a (sum, count) pair so that gradient accumulation over
+micro-batches reproduces the full-batch loss exactly (pass the full count as `normalizer`).
 
 `LossConfig` holds every setting of the loss in one frozen value: presets, config files
 (`config.loss` has the same fields), the update step and `policy_loss` all use it.
@@ -30,6 +32,9 @@ from gppo_jax.algorithm import estimators as ests
 Array = jax.Array
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Where the importance ratio is formed: per token (r_t), or per response (GSPO's geometric mean of
+# the token ratios, shared by all the response's tokens; docs/math.md#gspo).
+RATIO_LEVELS = ("token", "sequence")
 
 
 def aggregate_terms(
@@ -81,7 +86,11 @@ class LossConfig:
       delta_low. Both must be > 0 (inf = no trust region). Deltas may also be traced arrays (then
       the LossConfig is not hashable and cannot be a static argument).
     aggregation: one of AGGREGATIONS; max_len is the Dr.GRPO normaliser (None: the batch's T).
-    ratio_cap: if set, the importance weight in the gradient is stop_gradient(min(r, C)) (DPPO).
+    ratio_cap: if set, the importance weight in the gradient is stop_gradient(min(r, C)) (DPPO;
+      with an infinite radius, CISPO).
+    ratio_level: "token" (r_t) or "sequence": r_t is replaced by the response's s_i, computed from
+      the mean log-ratio of its valid tokens, with the gradient s_i grad log p_t (GSPO-token);
+      needs estimator "mc", the only estimator that is a function of the ratio alone.
     dual_clip: if set (PPO uses 3), tokens with A < 0 and r > dual_clip are also stopped.
     kl_coef: penalty kl_coef * k3(pi || ref) per token; > 0 needs `ref_logp` in `policy_loss`.
     entropy_coef: bonus entropy_coef * H per token; > 0 needs `entropy` in `policy_loss`.
@@ -94,6 +103,7 @@ class LossConfig:
   aggregation: str = "token-mean"
   max_len: int | None = None
   ratio_cap: float | None = None
+  ratio_level: str = "token"
   dual_clip: float | None = None
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
@@ -105,6 +115,12 @@ class LossConfig:
       raise ValueError(
         f"unknown aggregation {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
       )
+    if self.ratio_level not in RATIO_LEVELS:
+      raise ValueError(
+        f"unknown ratio_level {self.ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}"
+      )
+    if self.ratio_level == "sequence" and self.estimator not in ("mc", ests.mc):
+      raise ValueError(sequence_estimator_problem(self.estimator))
 
   @property
   def radii(self) -> tuple[float | Array, float | Array]:
@@ -123,6 +139,24 @@ class LossConfig:
     if values.get("max_len") is None:
       values["max_len"] = response_len
     return cls(**values)
+
+
+def sequence_estimator_problem(estimator: Any) -> str:
+  """Why ratio_level="sequence" refuses `estimator` (shared with config validation)."""
+  name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", estimator)
+  return (
+    f"ratio_level='sequence' needs estimator='mc', got {name!r}: the sequence ratio s_i has "
+    "no per-token probabilities p and q for binary, atomic or topk to weigh (docs/math.md#gspo)"
+  )
+
+
+def sequence_log_ratio(log_ratio: Array, valid: Array) -> Array:
+  """[B] mean of the per-token log-ratios [B, T] over each row's valid tokens (0 for a row with
+  none): log s_i, the log of GSPO's length-normalised sequence ratio."""
+  valid = valid.astype(bool)
+  n = jnp.sum(valid.astype(log_ratio.dtype), axis=-1)
+  total = jnp.sum(jnp.where(valid, log_ratio, 0.0), axis=-1)
+  return total / jnp.maximum(n, 1.0)
 
 
 def trust_region_out(
@@ -224,12 +258,26 @@ def policy_loss(
   # finite float32 (an unfloored q < 1e-38 gives r = inf, and a masked token 0 * inf = NaN).
   logq32 = jnp.maximum(logq.astype(jnp.float32), ests.LOG_PROB_FLOOR)
   log_ratio = logp32 - jax.lax.stop_gradient(logq32)
+  if loss.ratio_level == "sequence":
+    # GSPO-token: the value s_i = exp(mean_t l_t) on every token of response i, the gradient
+    # s_i grad log p_t of the token's own log-prob. log p is floored like log q, so every l_t and
+    # their mean lie in [-80, 80] and s_i is a finite float32; padding enters neither (its log p
+    # may be -inf, and -inf - -inf would be NaN).
+    logp_valid = jnp.where(valid, jnp.maximum(logp32, ests.LOG_PROB_FLOOR), 0.0)
+    seq_log_ratio = jax.lax.stop_gradient(sequence_log_ratio(logp_valid - logq32, valid)[:, None])
+    log_ratio = seq_log_ratio + logp_valid - jax.lax.stop_gradient(logp_valid)
   ratio = jnp.exp(log_ratio)
   ratio_sg = jax.lax.stop_gradient(ratio)
 
-  estimate = jax.lax.stop_gradient(
-    est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
-  )
+  if loss.ratio_level == "sequence":
+    # The estimate of the whole response: f(s_i), MC on the sequence ratio (log q = 0 stands for
+    # "log p - log q is the sequence's log-ratio"; the estimator floors it at -80 like any other).
+    seq_l = jnp.broadcast_to(seq_log_ratio, logp32.shape)
+    estimate = jax.lax.stop_gradient(est_fn(div, seq_l, jnp.zeros_like(seq_l)))
+  else:
+    estimate = jax.lax.stop_gradient(
+      est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
+    )
   neg = advantages < 0
   out_low, out_high = trust_region_out(estimate, ratio_sg, advantages, valid, delta_low, delta_high)
   out = out_high | out_low
@@ -239,8 +287,10 @@ def policy_loss(
   keep = jax.lax.stop_gradient(1.0 - out.astype(jnp.float32))
 
   if ratio_cap is not None:
-    # Value min(r, C), gradient min(r, C) * grad log p.
-    weight = jnp.minimum(ratio_sg, ratio_cap) * jnp.exp(logp32 - jax.lax.stop_gradient(logp32))
+    # Value min(r, C), gradient min(r, C) * grad log p (r is s_i at the sequence level). The
+    # carrier of the gradient is floored so that p = 0 (log r = -inf) gives 0, not -inf - -inf.
+    carrier = jnp.maximum(log_ratio, 2.0 * ests.LOG_PROB_FLOOR)
+    weight = jnp.minimum(ratio_sg, ratio_cap) * jnp.exp(carrier - jax.lax.stop_gradient(carrier))
   else:
     weight = ratio
   per_token_policy = -keep * weight * advantages

@@ -94,9 +94,33 @@ PRESETS.register(
   _preset("chi2", "atomic", 0.05, 0.05, note="RIPO |r - 1| <= sqrt(delta / q), delta = 0.05"),
 )
 
+PRESETS.register(
+  "gspo",
+  _preset(
+    "tv",
+    "mc",
+    1.5e-4,
+    2e-4,
+    aggregation="seq-mean-token-mean",
+    ratio_level="sequence",
+    note="GSPO: PPO's clip eps 3e-4 / 4e-4 on the sequence ratio exp(mean_t log r_t)",
+  ),
+)
+PRESETS.register(
+  "cispo",
+  _preset(
+    "tv",
+    "mc",
+    math.inf,
+    math.inf,
+    ratio_cap=1.28,
+    note="CISPO: no token masked, weight stop_gradient(min(r, 1 + 0.28)) on grad log p",
+  ),
+)
+
 
 def get(name: str) -> Preset:
-  """The preset called `name` (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo)."""
+  """The preset called `name` (ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo, gspo, cispo)."""
   return PRESETS.get(name)
 
 

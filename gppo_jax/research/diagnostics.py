@@ -403,6 +403,10 @@ def diagnostics_from_stats(
   if key not in stats:
     raise ValueError(f"stats lack {key!r}: pass the loss's divergence to the token statistics")
   loss_name = loss_est if isinstance(loss_est, str) else getattr(loss_est, "__name__", None)
+  if loss.ratio_level != "token":
+    # The per-token masks here are not the loss's own, which masks whole responses by their
+    # sequence ratio (its masked share is the update's trust/masked_frac).
+    loss_name = None
   delta_low, delta_high = loss.radii
   m = summarize(
     estimates,
