@@ -517,12 +517,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       raise ValueError(f"family={cfg.family!r} needs Gemma's norms and embedding scale")
     act = {"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}[cfg.hidden_act]
     local = set(cfg.local_layers)
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.num_layers)]
     out.update(
       hidden_act=act,
       hidden_activation=act,
       attention_bias=False,
-      query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+      query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,  # an int in HF
       attn_logit_softcapping=cfg.attn_softcap,
       final_logit_softcapping=cfg.final_softcap,
       sliding_window=cfg.sliding_window,
