@@ -160,7 +160,10 @@ CASES = {
   ),
   # Layers local, local, global, local; its own local RoPE base; linear scaling on the global.
   "gemma3": lambda: transformers.Gemma3TextConfig(
-    **_COMMON, sliding_window_pattern=3, rope_theta=10000.0, rope_local_base_freq=100.0,
+    **_COMMON,
+    sliding_window_pattern=3,
+    rope_theta=10000.0,
+    rope_local_base_freq=100.0,
     rope_scaling={"rope_type": "linear", "factor": 2.0},
   ),  # fmt: skip
 }
