@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gppo_jax.models import attention
 from gppo_jax.models import model as model_lib
 from gppo_jax.models.architectures import ModelConfig
 
@@ -92,6 +93,10 @@ def paged_attention(
   page_table: jax.Array,
   start: jax.Array,
   query_slot: jax.Array,
+  *,
+  scale: float | None = None,
+  softcap: float | None = None,
+  window: jax.Array | int | None = None,
 ) -> jax.Array:
   """One query per decode slot over its own pages.
 
@@ -99,23 +104,30 @@ def paged_attention(
   written); page_table int32 [S, max_pages]; start int32 [S]: the slot's first real cache slot
   (prompts are left-padded); query_slot int32 [S]: where the query's own key was written. The
   query attends to the cache slots start <= j <= query_slot, as the dense cache does for a
-  left-padded row. -> [S, 1, H, Dh].
+  left-padded row. -> [S, 1, H, Dh]. scale, softcap and window (an int, a traced int32 or
+  None): `attention.Scores`; with a window, the query also needs j > query_slot - window, and
+  each row reads its pages from the one holding its window's first slot: a local layer reads
+  about window / page_size pages per row, however long the row.
   """
   S, _, H, Dh = q.shape
   ps, K = pool_k.shape[2], pool_k.shape[3]
   G = H // K
-  qh = q.reshape(S, K, G, Dh).astype(jnp.float32) * Dh**-0.5
+  qh = q.reshape(S, K, G, Dh).astype(jnp.float32) * (scale or Dh**-0.5)
   rows = jnp.arange(S)
-  n_pages = jnp.max(query_slot) // ps + 1
+  start = start if window is None else jnp.maximum(start, query_slot - window + 1)
+  first = start // ps  # [S]: each row's first page
+  n_pages = jnp.max(query_slot // ps - first) + 1
+  last_page = page_table.shape[1] - 1
 
   def body(i, carry):
     m, l, acc = carry
-    page = page_table[rows, i]  # [S]
+    index = first + i  # [S]: page index of each row (past a row's last one: masked out)
+    page = page_table[rows, jnp.minimum(index, last_page)]  # [S]
     kb = pool_k[layer, page].astype(jnp.float32)  # [S, ps, K, Dh]
     vb = pool_v[layer, page].astype(jnp.float32)
-    s = jnp.einsum("skgd,spkd->skgp", qh, kb)
-    slot = i * ps + jnp.arange(ps)
-    ok = (slot[None] >= start[:, None]) & (slot[None] <= query_slot[:, None])  # [S, ps]
+    s = attention.soft_cap(jnp.einsum("skgd,spkd->skgp", qh, kb), softcap)
+    slot = index[:, None] * ps + jnp.arange(ps)[None]  # [S, ps]
+    ok = (slot >= start[:, None]) & (slot <= query_slot[:, None])  # [S, ps]
     s = jnp.where(ok[:, None, None, :], s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(ok[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
@@ -159,25 +171,31 @@ def decode_step(
   rows = jnp.arange(S)
   write_page = jnp.where(live, page_table[rows, length // ps], TRASH_PAGE)
   write_off = jnp.where(live, length % ps, 0)
-  x = jnp.take(model.embed[...], tokens[:, None], axis=0).astype(cfg.compute_dtype)
+  x = model_lib.embed_tokens(cfg, model.embed[...], tokens[:, None])
   rope = model_lib.rope_tables(positions[:, None], cfg)
+  scores, flags = model_lib.scores_of(cfg), model_lib.local_flags(cfg)
 
   def layer_step(carry, xs):
     x, pk, pv = carry
     p, l = xs
 
-    def attend(q, k, v):
+    def attend(q, k, v, local):
       nonlocal pk, pv
       pk = pk.at[l, write_page, write_off].set(k[:, 0].astype(pk.dtype))
       pv = pv.at[l, write_page, write_off].set(v[:, 0].astype(pv.dtype))
-      return paged_attention(q, pk, pv, l, page_table, start, length)
+      window = attention.layer_window(scores.window, local)
+      return paged_attention(
+        q, pk, pv, l, page_table, start, length, scale=scores.scale, softcap=scores.softcap,
+        window=window,
+      )  # fmt: skip
 
-    x = model_lib.decoder_layer(cfg, p, x, rope, attend)
+    local = None if flags is None else flags[l]
+    x = model_lib.decoder_layer(cfg, p, x, rope, attend, local)
     return (x, pk, pv), None
 
   layer_ids = jnp.arange(cfg.num_layers)
   (x, pk, pv), _ = jax.lax.scan(layer_step, (x, pool.k, pool.v), (model.layers.arrays(), layer_ids))
-  hidden = model_lib.rms_norm(x[:, 0], model.final_norm[...], cfg.rms_norm_eps)
+  hidden = model_lib.norm(cfg, x[:, 0], model.final_norm[...])
   return model.logits(hidden), PagePool(k=pk, v=pv)
 
 

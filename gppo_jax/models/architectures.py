@@ -3,8 +3,8 @@
 `ModelConfig` is the frozen, hashable shape and numerics of the transformer in `model.py`.
 `ARCHITECTURES` names ready-made configurations (the config field `model.preset` picks one;
 `get(name, **overrides)` returns it). `config_from_hf` / `config_to_hf` translate a Hugging Face
-config.json (Llama 3, Qwen2/2.5, Qwen3) to and from a `ModelConfig`; the weight mapping lives in
-`hf_checkpoint.py`. Imports jax, never flax: nothing here builds a model.
+config.json (Llama 3, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text) to and from a `ModelConfig`; the
+weight mapping lives in `hf_checkpoint.py`. Imports jax, never flax: nothing here builds a model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from gppo_jax import errors
 from gppo_jax.models import attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP gate: SwiGLU, or GeGLU (tanh-approximated GELU)
 ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION = attention.IMPLEMENTATIONS  # ModelConfig.attention: attention.py's implementations
 # Rematerialisation of each layer under grad: "full" keeps only the layer input (least memory);
@@ -77,6 +78,22 @@ class ModelConfig:
   # Std of the normal init (HF's initializer_range). 0.02 suits wide models; the tiny char
   # architectures use a larger one, without which attention stays uniform for hundreds of steps.
   initializer_range: float = 0.02
+  # Gemma's pieces (defaults: Llama / Qwen). hidden_act: the MLP gate (HIDDEN_ACTS).
+  hidden_act: str = "silu"
+  norm_plus_one: bool = False  # RMSNorm scales by (1 + w), in float32 (Gemma)
+  post_norms: bool = False  # also an RMSNorm on the attention's and the MLP's outputs (Gemma)
+  embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
+  # Attention scores q k^T * query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+  query_pre_attn_scalar: float | None = None
+  attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+  final_softcap: float | None = None  # the same on the output logits (before any temperature)
+  # Sliding-window (local) attention: the layers in `local_layers` attend to the keys at most
+  # sliding_window - 1 positions back (as transformers' sliding_window); the others globally.
+  sliding_window: int | None = None
+  local_layers: tuple[int, ...] = ()
+  # RoPE base of the local layers (Gemma 3: rope_local_base_freq, no scaling); None: rope_theta
+  # and rope_scaling as the global layers.
+  rope_local_theta: float | None = None
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -94,9 +111,34 @@ class ModelConfig:
       )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.hidden_act not in HIDDEN_ACTS:
+      raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r}; valid: {HIDDEN_ACTS}")
+    if self.local_layers and not self.sliding_window:
+      raise ValueError("ModelConfig.local_layers needs a sliding_window")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be at least 1")
+    if any(not 0 <= l < self.num_layers for l in self.local_layers):
+      raise ValueError(f"ModelConfig.local_layers={self.local_layers} not all in [0, num_layers)")
+    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+      if getattr(self, name) is not None and not getattr(self, name) > 0:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive (or None)")
     rope_type = self.rope_params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
       raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+
+  @property
+  def attn_scale(self) -> float:
+    """The factor on the attention scores q k^T."""
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+  @property
+  def windowed(self) -> bool:
+    """Whether some layers attend through a sliding window."""
+    return bool(self.local_layers)
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer` (None: global attention)."""
+    return self.sliding_window if layer in self.local_layers else None
 
   @property
   def rope_params(self) -> dict[str, Any]:
@@ -111,6 +153,18 @@ class ModelConfig:
     return DTYPES[self.param_dtype]
 
 
+def resolve_attention(cfg: ModelConfig, seq: int, backend: str | None = None) -> str:
+  """The attention implementation cfg.attention stands for on seq tokens (`attention.resolve`)."""
+  return attention.resolve(
+    cfg.attention,
+    seq_len=seq,
+    dtype=cfg.compute_dtype,
+    head_dim=cfg.head_dim,
+    backend=backend,
+    softcap=cfg.attn_softcap,
+  )
+
+
 def no_remat_bytes(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None) -> int:
   """About what an update without remat holds for its backward on rows x seq tokens (all rows,
   one device): per layer and token the residual stream, norms, q/k/v, rotated q/k, attention
@@ -120,9 +174,7 @@ def no_remat_bytes(cfg: ModelConfig, rows: int, seq: int, backend: str | None = 
   d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   H, K = cfg.num_heads, cfg.num_kv_heads
   per_token = (4 * d + 3 * f + (2 * H + 3 * K) * dh) * jnp.dtype(cfg.compute_dtype).itemsize
-  impl = attention.resolve(
-    cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=dh, backend=backend
-  )
+  impl = resolve_attention(cfg, seq, backend)
   if impl == "dense":
     per_token += H * seq * 4
   elif impl == "blockwise" and cfg.attention == "auto" and attention.unrolled(seq, backend):
@@ -141,9 +193,7 @@ def layer_plan(cfg: ModelConfig, rows: int, seq: int, backend: str | None = None
   sequences' activations are what limits a batch."""
   if cfg.remat != "auto":
     return cfg.remat, cfg.scan_layers
-  impl = attention.resolve(
-    cfg.attention, seq_len=seq, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
-  )
+  impl = resolve_attention(cfg, seq, backend)
   keeps_probs = impl == "dense" and seq <= attention.DENSE_SAVED_MAX_KEYS
   if (backend or jax.default_backend()) != "cpu" or keeps_probs:
     return "attention", cfg.scan_layers
@@ -299,30 +349,89 @@ _HF_FAMILIES = {
   "LlamaForCausalLM": "llama",
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
+  "Gemma2ForCausalLM": "gemma2",
+  "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# config.json's model_type of each family (Gemma 3's text model is "gemma3_text"; "gemma3" is
+# the multimodal Gemma3ForConditionalGeneration, whose text part is not loaded here).
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+_MODEL_TYPES["gemma3"] = "gemma3_text"
+_GEMMA = ("gemma2", "gemma3")
+# HF's hidden_activation names of the tanh-approximated GELU (Gemma's GeGLU).
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
 def hf_family(hf_config: Mapping[str, Any]) -> str:
-  """The family ("llama" | "qwen2" | "qwen3") named by a config.json; ValueError otherwise."""
+  """The family (one of FAMILIES) named by a config.json; ValueError otherwise."""
   for arch in hf_config.get("architectures") or ():
     if arch in _HF_FAMILIES:
       return _HF_FAMILIES[arch]
   model_type = hf_config.get("model_type")
-  if model_type in _MODEL_TYPES:
-    return _MODEL_TYPES[model_type]
+  by_type = {v: k for k, v in _MODEL_TYPES.items()}
+  if model_type in by_type:
+    return by_type[model_type]
+  hint = ""
+  if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in (
+    hf_config.get("architectures") or ()
+  ):
+    hint = " (multimodal Gemma 3: only the text model, Gemma3ForCausalLM / gemma3_text, loads)"
   raise ValueError(
     f"unsupported architecture: architectures={hf_config.get('architectures')}, "
-    f"model_type={model_type!r}; supported: {sorted(_HF_FAMILIES)}"
+    f"model_type={model_type!r}; supported: {sorted(_HF_FAMILIES)}{hint}"
   )
 
 
+def _gemma_fields(c: dict[str, Any], family: str, unsupported: list[str]) -> dict[str, Any]:
+  """ModelConfig fields of a Gemma 2 / Gemma 3 text config.json (layer types, windows, soft
+  caps, the local RoPE base), appending what we cannot run to `unsupported`."""
+  act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+  if act not in _GELU_TANH:
+    unsupported.append(f"hidden_activation={act!r}")
+  if c.get("use_bidirectional_attention"):
+    unsupported.append("use_bidirectional_attention=true")
+  L = int(c["num_hidden_layers"])
+  types = c.get("layer_types")
+  if types is None:  # older config.json: Gemma 2 alternates, Gemma 3 has a period
+    period = 2 if family == "gemma2" else int(c.get("sliding_window_pattern", 6))
+    types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(L)]
+  if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
+    unsupported.append(f"layer_types={types}")
+  window = c.get("sliding_window")
+  local = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+  out = dict(
+    hidden_act="gelu_tanh",
+    norm_plus_one=True,
+    post_norms=True,
+    embed_scale=True,
+    query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or 256),  # HF's default
+    attn_softcap=c.get("attn_logit_softcapping"),
+    final_softcap=c.get("final_logit_softcapping"),
+    sliding_window=int(window) if window else None,
+    local_layers=local,
+  )
+  rope = c.get("rope_parameters") or {}
+  if family == "gemma3":
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers>=5 layout
+      full, sliding = dict(rope.get("full_attention") or {}), rope.get("sliding_attention") or {}
+      if sliding.get("rope_type", "default") != "default":
+        unsupported.append(f"rope scaling on the sliding layers ({sliding})")
+      out["rope_theta"] = float(full.get("rope_theta", 1_000_000.0))
+      out["rope_scaling"] = rope_scaling_tuple(full)
+      out["rope_local_theta"] = float(sliding.get("rope_theta", 10_000.0))
+    else:
+      out["rope_theta"] = float(c.get("rope_theta", 1_000_000.0))
+      out["rope_scaling"] = rope_scaling_tuple(c.get("rope_scaling"))
+      out["rope_local_theta"] = float(c.get("rope_local_base_freq", 10_000.0))
+  return out
+
+
 def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
-  """A ModelConfig from the contents of a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+  """A ModelConfig from the contents of a Hugging Face config.json (Llama, Qwen2, Qwen3,
+  Gemma 2, Gemma 3 text)."""
   c = dict(hf_config)
   family = hf_family(c)
   unsupported = []
-  if c.get("hidden_act", "silu") != "silu":
+  if family not in _GEMMA and c.get("hidden_act", "silu") != "silu":
     unsupported.append(f"hidden_act={c['hidden_act']!r}")
   if c.get("mlp_bias"):
     unsupported.append("mlp_bias=true")
@@ -332,6 +441,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     unsupported.append(f"attention_bias=true for {family} (bias on o_proj)")
   if c.get("partial_rotary_factor", 1.0) != 1.0:
     unsupported.append("partial_rotary_factor")
+  gemma = _gemma_fields(c, family, unsupported) if family in _GEMMA else {}
   if unsupported:
     raise ValueError(f"config.json: unsupported settings for {family}: {', '.join(unsupported)}")
   rope = dict(c.get("rope_parameters") or {})
@@ -356,9 +466,9 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     rope_theta=float(rope_theta),
     rope_scaling=rope_scaling_tuple(rope),
     rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-    tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+    tie_word_embeddings=bool(c.get("tie_word_embeddings", family in _GEMMA)),
     attention_bias=family == "qwen2",
-    qk_norm=family == "qwen3",
+    qk_norm=family in ("qwen3", "gemma3"),
     dtype=dtype,
     param_dtype=dtype,
     max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
@@ -368,6 +478,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     family=family,
     initializer_range=float(c.get("initializer_range", 0.02)),
   )
+  kwargs.update(gemma)
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
 
@@ -378,7 +489,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   eos = list(cfg.eos_token_ids)
   out: dict[str, Any] = {
     "architectures": [arch],
-    "model_type": cfg.family,
+    "model_type": _MODEL_TYPES[cfg.family],
     "vocab_size": cfg.vocab_size,
     "hidden_size": cfg.hidden_size,
     "intermediate_size": cfg.intermediate_size,
@@ -402,8 +513,36 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   }
   if cfg.family == "llama":
     out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+  elif cfg.family in _GEMMA:
+    if not (cfg.norm_plus_one and cfg.post_norms and cfg.embed_scale):
+      raise ValueError(f"family={cfg.family!r} needs Gemma's norms and embedding scale")
+    act = {"gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}[cfg.hidden_act]
+    local = set(cfg.local_layers)
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.num_layers)]
+    out.update(
+      hidden_act=act,
+      hidden_activation=act,
+      attention_bias=False,
+      query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,  # an int in HF
+      attn_logit_softcapping=cfg.attn_softcap,
+      final_logit_softcapping=cfg.final_softcap,
+      sliding_window=cfg.sliding_window,
+      layer_types=types,
+    )
+    if cfg.family == "gemma3":
+      out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
   if cfg.family == "qwen3":
     out["attention_bias"] = False
   return out
+
+
+def hf_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+  """transformers>=5's rope_parameters of this model: one dict, or Gemma 3's per layer type."""
+  full = {"rope_type": "default", **dict(cfg.rope_scaling or ()), "rope_theta": cfg.rope_theta}
+  if cfg.family != "gemma3":
+    return full
+  local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+  return {"full_attention": full, "sliding_attention": local}

@@ -26,11 +26,23 @@ at a traced offset (the sampler's prefill, and its scan decode step on TPU / GPU
 the cache blocks up to the last query, so one compiled step serves every cache length.
 `decode_attention` is the CPU decode step's: one query over a layer's whole cache, stored with
 the keys transposed (`model.LayerCache`), in two matrix products that read the cache in place.
+
+Gemma's variations (`Scores`), in every implementation: the scale on q k^T (Gemma's
+query_pre_attn_scalar instead of 1/sqrt(Dh)), tanh soft-capping of the scores (cap * tanh(s /
+cap), before the mask), and a sliding window: a local layer's query i attends only to the keys
+j > i - window (cache slots in the cached paths; the real tokens of a row are contiguous, so this
+is a distance in positions, as transformers' sliding_window). The window of a layer inside the
+layer scan is traced (`layer_window`: the window on local layers, NO_WINDOW on global ones):
+blockwise and the cached paths skip the key tiles wholly outside it, dense masks it; cuDNN and
+splash take a static window, so there a traced layer picks one of the two kernels with
+`lax.cond`. cuDNN has no soft-capping: a soft-capped model runs blockwise there (`resolve`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -66,19 +78,80 @@ _NEG_INF = -jnp.inf
 # there are at most DENSE_SAVED_MAX_KEYS keys (O(T) per layer too: at most that many per query).
 SAVED_NAMES = ("attention_out", "attention_lse", "attention_probs")
 DENSE_SAVED_MAX_KEYS = DENSE_MAX_LEN
+# The window of a global layer where a layer's window is traced (`layer_window`): no key is that
+# far back.
+NO_WINDOW = 1 << 30
+
+log = logging.getLogger("gppo_jax")
 
 
-def resolve(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None) -> str:
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """How a model forms its attention scores (hashable: a static argument)."""
+
+  scale: float | None = None  # the factor on q k^T; None: head_dim ** -0.5
+  softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+  window: int | None = None  # the sliding window of its local layers (None: none)
+
+
+def layer_window(window: int | None, local) -> jax.Array | int | None:
+  """A layer's window: None without sliding window; `window` where local is None or True (a
+  local layer); with local a traced bool, int32 window or NO_WINDOW."""
+  if window is None or local is None or local is True:
+    return window
+  if local is False:
+    return None
+  return jnp.where(local, jnp.int32(window), jnp.int32(NO_WINDOW))
+
+
+def soft_cap(s: jax.Array, cap: float | None) -> jax.Array:
+  """s soft-capped: cap * tanh(s / cap) (s itself where cap is None)."""
+  return s if cap is None else cap * jnp.tanh(s / cap)
+
+
+def _softcap_grad(capped: jax.Array, cap: float) -> jax.Array:
+  """d capped / d s of capped = cap * tanh(s / cap): 1 - tanh^2."""
+  return 1.0 - jnp.square(capped / cap)
+
+
+def _in_window(qpos, kpos, window):
+  """bool: key position kpos is within `window` (None: no window) of query position qpos."""
+  return True if window is None else (qpos - kpos) < window
+
+
+_warned: set[str] = set()
+
+
+def resolve(
+  impl: str,
+  *,
+  seq_len: int,
+  dtype,
+  head_dim: int,
+  backend: str | None = None,
+  softcap: float | None = None,
+) -> str:
   """The implementation `impl` ("auto" or a name in IMPLEMENTATIONS) stands for on `backend`
-  (default: jax's default backend) for sequences of `seq_len` tokens in `dtype`."""
+  (default: jax's default backend) for sequences of `seq_len` tokens in `dtype`. cuDNN's kernel
+  has no score soft-capping: with `softcap`, "cudnn" runs blockwise (logged once)."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r}; valid: {', '.join(IMPLEMENTATIONS)}")
+  if impl == "cudnn" and softcap is not None:
+    if impl not in _warned:
+      _warned.add(impl)
+      log.warning(
+        "attention='cudnn': cuDNN's kernel has no attention-logit soft-capping "
+        "(attn_softcap=%s); running blockwise attention instead",
+        softcap,
+      )
+    return "blockwise"
   if impl != "auto":
     return impl
   backend = backend or jax.default_backend()
   if backend in ("gpu", "cuda", "rocm"):
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and head_dim % 8 == 0 and head_dim <= 128 else "blockwise"
+    fits = half and head_dim % 8 == 0 and head_dim <= 128 and softcap is None
+    return "cudnn" if fits else "blockwise"
   if backend == "tpu":
     return "splash"
   return "dense" if seq_len <= DENSE_MAX_LEN else "blockwise"
@@ -100,21 +173,52 @@ def unrolled(seq_len: int, backend: str | None = None) -> bool:
 
 
 def attention(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "auto"
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  impl: str = "auto",
+  *,
+  scores: Scores = Scores(),
+  local=None,
 ) -> jax.Array:
   """Causal self-attention of one layer: q [B,T,H,Dh], k/v [B,T,K,Dh], mask bool [B,T]
-  -> [B,T,H,Dh] in q's dtype (the mask rule is the module docstring's)."""
-  name = resolve(impl, seq_len=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1])
+  -> [B,T,H,Dh] in q's dtype (the mask rule is the module docstring's). `scores`: the scale,
+  soft cap and window; local: whether this layer is a sliding-window one (`layer_window`)."""
+  name = resolve(
+    impl, seq_len=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1], softcap=scores.softcap
+  )
+  scale, cap = scores.scale, scores.softcap
   if name == "dense":
-    return dense_fused(q, k, v, self_allowed(mask))
+    allowed = self_allowed(mask, layer_window(scores.window, local))
+    return dense_fused(q, k, v, allowed, scale, cap)
   if name == "blockwise":
     T = q.shape[1]
     # "auto" on CPU unrolls short sequences' tiles (faster); "blockwise" loops (linear memory).
     unroll = impl == "auto" and unrolled(T)
-    return blockwise(q, k, v, mask, block_size=block_size(T), unroll=unroll)
+    window = layer_window(scores.window, local)
+    return blockwise(
+      q, k, v, mask, block_size=block_size(T), unroll=unroll, scale=scale, softcap=cap,
+      window=window,
+    )  # fmt: skip
   if name == "cudnn":
-    return cudnn(q, k, v, mask)
-  return splash(q, k, v, mask)
+    return per_layer_kernel(
+      lambda w: cudnn(q, k, v, mask, scale=scale, window=w), scores.window, local
+    )
+  return per_layer_kernel(
+    lambda w: splash(q, k, v, mask, scale=scale, softcap=cap, window=w), scores.window, local
+  )
+
+
+def per_layer_kernel(fn, window: int | None, local):
+  """fn(static window or None) for a kernel that takes its window as a static argument (cuDNN,
+  splash): the local or the global kernel, by `lax.cond` where `local` is traced (both
+  compiled, one runs per layer)."""
+  if window is None or local is None or local is True:
+    return fn(window)
+  if local is False:
+    return fn(None)
+  return jax.lax.cond(local, lambda: fn(window), lambda: fn(None))
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,19 +226,22 @@ def attention(
 # --------------------------------------------------------------------------------------------
 
 
-def self_allowed(mask: jax.Array) -> jax.Array:
-  """bool [B, T, T]: query i may attend key j (the module's rule) for mask bool [B, T]."""
+def self_allowed(mask: jax.Array, window=None) -> jax.Array:
+  """bool [B, T, T]: query i may attend key j (the module's rule) for mask bool [B, T], within
+  `window` (an int, a traced int32 or None: `layer_window`)."""
   T = mask.shape[1]
-  causal = jnp.tril(jnp.ones((T, T), bool))
+  pos = jnp.arange(T)
+  causal = (pos[None, :] <= pos[:, None]) & _in_window(pos[:, None], pos[None, :], window)
   return (causal[None] & mask[:, :, None] & mask[:, None, :]) | jnp.eye(T, dtype=bool)[None]
 
 
-def shared_prefix_allowed(mask: jax.Array, prefix_len: int, copies: int) -> jax.Array:
+def shared_prefix_allowed(mask: jax.Array, prefix_len: int, copies: int, window=None) -> jax.Array:
   """bool [B, S, S] for rows packed as one prefix then `copies` continuations of equal length
   (S = prefix_len + copies * C; mask bool [B, S]): each token attends as it would in its own
   row of prefix + continuation under the module's rule. A prefix query sees the real prefix keys
   up to itself; a continuation query sees the whole real prefix and its own continuation's real
-  keys up to itself, never another continuation; a padding query sees only itself."""
+  keys up to itself, never another continuation; a padding query sees only itself. `window`:
+  as `self_allowed`'s, over the positions in the row."""
   S = mask.shape[1]
   C = (S - prefix_len) // copies
   if prefix_len + copies * C != S:
@@ -145,32 +252,54 @@ def shared_prefix_allowed(mask: jax.Array, prefix_len: int, copies: int) -> jax.
   visible = (row_pos[None, :] <= row_pos[:, None]) & (
     (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
   )
+  visible = visible & _in_window(row_pos[:, None], row_pos[None, :], window)
   return (visible[None] & mask[:, :, None] & mask[:, None, :]) | jnp.eye(S, dtype=bool)[None]
 
 
-def dense(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-  """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh]: float32 scores and
-  softmax, probabilities cast to v's dtype for the value product. Every row needs one True."""
+def dense(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  allowed: jax.Array,
+  scale: float | None = None,
+  softcap: float | None = None,
+) -> jax.Array:
+  """q [B,T,H,Dh], k/v [B,S,K,Dh], allowed bool [B,T,S] -> [B,T,H,Dh]: float32 scores (times
+  `scale`, default Dh ** -0.5, soft-capped at `softcap`) and softmax, probabilities cast to v's
+  dtype for the value product. Every row needs one True."""
   B, T, H, Dh = q.shape
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, Dh)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(allowed[:, None, None], scores * (Dh**-0.5), jnp.finfo(jnp.float32).min)
+  scores = soft_cap(scores * (scale or Dh**-0.5), softcap)
+  scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(B, T, H, Dh).astype(q.dtype)
 
 
-@jax.custom_vjp
-def dense_fused(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+def dense_fused(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  allowed: jax.Array,
+  scale: float | None = None,
+  softcap: float | None = None,
+) -> jax.Array:
   """`dense` with a hand-written backward, the training path of impl "dense": same arguments and
   result. The backward needs no mask: a key that is not allowed has probability 0, hence a zero
   score gradient p * (dp - delta); autodiff of `dense` instead selects through the broadcast
-  [B, K, G, T, S] mask (and materialises it) on every layer's backward."""
-  return _dense_fused_fwd(q, k, v, allowed)[0]
+  [B, K, G, T, S] mask (and materialises it) on every layer's backward. With `softcap` the
+  backward recomputes the scores for the cap's derivative (one more q k^T product)."""
+  return _dense_fused(q, k, v, allowed, scale or q.shape[-1] ** -0.5, softcap)
 
 
-def _dense_fused_fwd(q, k, v, allowed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dense_fused(q, k, v, allowed, scale, softcap):
+  return _dense_fused_fwd(q, k, v, allowed, scale, softcap)[0]
+
+
+def _dense_fused_fwd(q, k, v, allowed, scale, softcap):
   B, T, H, Dh = q.shape
   K = k.shape[2]
   # Head-major [B, K, G, T, .]: each (b, k, g) is one contiguous [T, Dh] x [Dh, S] product, the
@@ -179,7 +308,7 @@ def _dense_fused_fwd(q, k, v, allowed):
   qh = q.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, Dh]
   s = jnp.einsum("bkgtd,bksd->bkgts", qh, kh, preferred_element_type=jnp.float32)
-  s = s * (Dh**-0.5) + _mask_bias(allowed)[:, None, None]  # each row allows one key
+  s = soft_cap(s * scale, softcap) + _mask_bias(allowed)[:, None, None]  # each row allows one key
   p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   oh = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), vh)
@@ -192,7 +321,7 @@ def _dense_fused_fwd(q, k, v, allowed):
   return out, (qh, kh, vh, p, out)
 
 
-def _dense_fused_bwd(res, dout):
+def _dense_fused_bwd(scale, softcap, res, dout):
   qh, kh, vh, p, out = res
   B, K, G, T, Dh = qh.shape
   f32 = jnp.float32
@@ -202,8 +331,11 @@ def _dense_fused_bwd(res, dout):
   delta = delta.reshape(B, T, K, G).transpose(0, 2, 3, 1)
   # The softmax scale multiplies dq and dk, not the [.., T, S] ds: a scalar times a tensor that
   # size became a materialised broadcast of the scalar in XLA CPU's matmul fusions.
-  ds = (p * (dp - delta[..., None])).astype(qh.dtype)
-  scale = Dh**-0.5
+  ds = p * (dp - delta[..., None])
+  if softcap is not None:
+    s = jnp.einsum("bkgtd,bksd->bkgts", qh, kh, preferred_element_type=f32)
+    ds = ds * _softcap_grad(soft_cap(s * scale, softcap), softcap)
+  ds = ds.astype(qh.dtype)
   dq = jnp.einsum("bkgts,bksd->bkgtd", ds, kh, preferred_element_type=f32) * scale
   # The key and value gradients come out transposed, [B, K, Dh, S] ((queries or output gradient)^T
   # x (score gradient or probabilities)): the other way round, XLA's CPU backend copied each
@@ -215,7 +347,7 @@ def _dense_fused_bwd(res, dout):
   return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None
 
 
-dense_fused.defvjp(_dense_fused_fwd, _dense_fused_bwd)
+_dense_fused.defvjp(_dense_fused_fwd, _dense_fused_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,9 +364,10 @@ def _tile(seq_len: int, block_size: int) -> tuple[int, int]:
   return tile, n
 
 
-def _block_allowed(qpos, kpos, qreal, kreal):
+def _block_allowed(qpos, kpos, qreal, kreal, window=None):
   """bool [B, bq, bk] for positions qpos [bq], kpos [bk] and real flags [B, bq], [B, bk]."""
   causal = kpos[None, None, :] <= qpos[None, :, None]
+  causal = causal & _in_window(qpos[None, :, None], kpos[None, None, :], window)
   both = qreal[:, :, None] & kreal[:, None, :]
   return (causal & both) | (kpos[None, None, :] == qpos[None, :, None])
 
@@ -263,10 +396,11 @@ def _rows_dot(x, y, y_layout):
   return out.reshape(*x.shape[:4], out.shape[-1])
 
 
-def _scores(qi, kj, allowed, scale):
-  """float32 [B,K,bq,G,bk] scaled scores of qi [B,K,bq,G,Dh], kj [B,K,bk,Dh], -inf where not
-  allowed [B,bq,bk]."""
-  return _rows_dot(qi, kj, "nd") * scale + _mask_bias(allowed)[:, None, :, None]
+def _scores(qi, kj, allowed, scale, softcap=None):
+  """float32 [B,K,bq,G,bk] scaled (and soft-capped) scores of qi [B,K,bq,G,Dh], kj [B,K,bk,Dh],
+  -inf where not allowed [B,bq,bk]."""
+  s = soft_cap(_rows_dot(qi, kj, "nd") * scale, softcap)
+  return s + _mask_bias(allowed)[:, None, :, None]
 
 
 def _mask_bias(allowed):
@@ -295,12 +429,19 @@ def _online_step(carry, s, vj):
   return m_new, l, alpha[..., None] * acc + _rows_dot(p.astype(vj.dtype), vj, "dn")
 
 
-def _flash_forward(q, k, v, mask, tile):
+def _first_key_tile(i, tile, window):
+  """The first key tile query tile i reaches within `window` (0 without one)."""
+  if window is None:
+    return 0
+  return jnp.maximum(0, (i * tile - window + 1) // tile)
+
+
+def _flash_forward(q, k, v, mask, window, tile, scale, softcap):
   """Grouped q [B,K,Tp,G,Dh], k/v [B,K,Tp,Dh], mask [B,Tp] -> (out like q, lse f32
-  [B,K,Tp,G]). Query tile i visits key tiles 0..i only (causal block skipping)."""
+  [B,K,Tp,G]). Query tile i visits key tiles 0..i only (causal block skipping), from the first
+  within the window."""
   B, K, Tp, G, Dh = q.shape
   n = Tp // tile
-  scale = Dh**-0.5
   ar = jnp.arange(tile)
 
   def q_tile(carry, i):
@@ -313,8 +454,8 @@ def _flash_forward(q, k, v, mask, tile):
       kj = jax.lax.dynamic_slice_in_dim(k, j * tile, tile, axis=2)
       vj = jax.lax.dynamic_slice_in_dim(v, j * tile, tile, axis=2)
       kreal = jax.lax.dynamic_slice_in_dim(mask, j * tile, tile, axis=1)
-      s = _scores(qi, kj, _block_allowed(qpos, j * tile + ar, qreal, kreal), scale)
-      return _online_step(c, s, vj)
+      allowed = _block_allowed(qpos, j * tile + ar, qreal, kreal, window)
+      return _online_step(c, _scores(qi, kj, allowed, scale, softcap), vj)
 
     shape = (B, K, tile, G)
     init = (
@@ -322,7 +463,7 @@ def _flash_forward(q, k, v, mask, tile):
       jnp.zeros(shape, jnp.float32),
       jnp.zeros((*shape, Dh), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, i + 1, k_tile, init)
+    m, l, acc = jax.lax.fori_loop(_first_key_tile(i, tile, window), i + 1, k_tile, init)
     o = (acc / l[..., None]).astype(q.dtype)
     out = jax.lax.dynamic_update_slice_in_dim(out, o, i * tile, axis=2)
     lse = jax.lax.dynamic_update_slice_in_dim(lse, m + jnp.log(l), i * tile, axis=2)
@@ -333,28 +474,35 @@ def _flash_forward(q, k, v, mask, tile):
   return out, lse
 
 
-def _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale):
+def _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale, softcap=None):
   """One block's gradients, its probabilities recomputed from the saved log-sum-exp: query rows
   qi [B,K,bq,G,Dh] (output gradient doi, lsei and delta di [B,K,bq,G]) against keys kj and
   values vj [B,K,bk,Dh] under allowed [B,bq,bk] -> (dq float32 like qi, dk and dv float32
   [B,K,Dh,bk], transposed: see _key_grad)."""
   dt, shape = qi.dtype, qi.shape
-  p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,bq,G,bk]
+  if softcap is None:
+    p = jnp.exp(_scores(qi, kj, allowed, scale) - lsei[..., None])  # [B,K,bq,G,bk]
+  else:
+    capped = soft_cap(_rows_dot(qi, kj, "nd") * scale, softcap)
+    p = jnp.exp(capped + _mask_bias(allowed)[:, None, :, None] - lsei[..., None])
   p, qi, doi, di = (_merge_rows(x) for x in (p, qi, doi, di))  # [B,K,bq*G(,.)]
   dv = _key_grad(doi, p.astype(dt))
   dp = _merged_dot(doi, vj, "nd")
-  ds = (p * (dp - di[..., None])).astype(dt)  # the scale goes on dk, dq (see dense_fused)
+  ds = p * (dp - di[..., None])  # the scale goes on dk, dq (see dense_fused)
+  if softcap is not None:
+    ds = ds * _softcap_grad(_merge_rows(capped), softcap)
+  ds = ds.astype(dt)
   dk = _key_grad(qi, ds) * scale
   dq = _merged_dot(ds, kj, "dn") * scale
   return dq.reshape(shape), dk, dv
 
 
-def _flash_backward(q, k, v, mask, out, lse, dout, tile):
+def _flash_backward(q, k, v, mask, window, out, lse, dout, tile, scale, softcap):
   """Gradients (dq, dk, dv) of _flash_forward, recomputing each block's probabilities from lse.
-  Key tile j visits query tiles j..n-1; dq is accumulated in one float32 buffer."""
+  Key tile j visits query tiles j..n-1 (those within the window); dq is accumulated in one
+  float32 buffer."""
   B, K, Tp, G, Dh = q.shape
   n = Tp // tile
-  scale = Dh**-0.5
   ar = jnp.arange(tile)
   dt = q.dtype
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,Tp,G]
@@ -369,13 +517,15 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
       dq, dk, dv = c
       sl = lambda x, axis=2: jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=axis)
       qi, doi, lsei, di = sl(q), sl(dout), sl(lse), sl(delta)
-      allowed = _block_allowed(i * tile + ar, kpos, sl(mask, 1), kreal)
-      dqi, dki, dvi = _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale)
+      allowed = _block_allowed(i * tile + ar, kpos, sl(mask, 1), kreal, window)
+      dqi, dki, dvi = _block_grads(qi, kj, vj, doi, lsei, di, allowed, scale, softcap)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, sl(dq) + dqi, i * tile, axis=2)
       return dq, dk + dki, dv + dvi
 
     zeros = jnp.zeros((B, K, Dh, tile), jnp.float32)  # dk, dv transposed (see _key_grad)
-    dq, dk, dv = jax.lax.fori_loop(j, n, q_tile, (dq, zeros, zeros))
+    # The last query tile whose queries reach this key tile within the window.
+    end = n if window is None else jnp.minimum(n, ((j + 1) * tile + window - 2) // tile + 1)
+    dq, dk, dv = jax.lax.fori_loop(j, end, q_tile, (dq, zeros, zeros))
     return dq, (dk, dv)
 
   dq, (dk, dv) = jax.lax.scan(k_tile, jnp.zeros(q.shape, jnp.float32), jnp.arange(n))
@@ -384,24 +534,24 @@ def _flash_backward(q, k, v, mask, out, lse, dout, tile):
   return dq.astype(dt), unstack(dk).astype(k.dtype), unstack(dv).astype(v.dtype)
 
 
-def _prefix_block(q, mask, i, tile):
+def _prefix_block(q, mask, i, tile, window):
   """(query tile i [B,K,tile,G,Dh], allowed [B,tile,(i+1)*tile]): the tile against every key up
-  to its end (the keys after it are causally excluded)."""
+  to its end (the keys after it are causally excluded; those outside a window masked)."""
   end = (i + 1) * tile
   pos = jnp.arange(end)
-  allowed = _block_allowed(pos[i * tile :], pos, mask[:, i * tile : end], mask[:, :end])
+  allowed = _block_allowed(pos[i * tile :], pos, mask[:, i * tile : end], mask[:, :end], window)
   return q[:, :, i * tile : end], allowed
 
 
-def _unrolled_forward(q, k, v, mask, tile):
+def _unrolled_forward(q, k, v, mask, window, tile, scale, softcap):
   """_flash_forward with the query tiles unrolled: tile i's softmax over its key prefix at once
-  (no online rescaling)."""
+  (no online rescaling; a traced window is masked, not skipped)."""
   n = q.shape[2] // tile
   outs, lses = [], []
   for i in range(n):
     end = (i + 1) * tile
-    qi, allowed = _prefix_block(q, mask, i, tile)
-    s = _scores(qi, k[:, :, :end], allowed, q.shape[-1] ** -0.5)
+    qi, allowed = _prefix_block(q, mask, i, tile, window)
+    s = _scores(qi, k[:, :, :end], allowed, scale, softcap)
     m = jnp.max(s, axis=-1)  # finite: every query is allowed itself
     p = jnp.exp(s - m[..., None])
     l = jnp.sum(p, axis=-1)
@@ -411,7 +561,7 @@ def _unrolled_forward(q, k, v, mask, tile):
   return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-def _unrolled_backward(q, k, v, mask, out, lse, dout, tile):
+def _unrolled_backward(q, k, v, mask, window, out, lse, dout, tile, scale, softcap):
   """_flash_backward with the query tiles unrolled: tile i's gradients against its whole key
   prefix (`_block_grads`); the prefix's key and value gradients are summed over tiles
   (zero-padded to Tp)."""
@@ -423,10 +573,10 @@ def _unrolled_backward(q, k, v, mask, out, lse, dout, tile):
   for i in range(n):
     end = (i + 1) * tile
     rows = slice(i * tile, end)
-    qi, allowed = _prefix_block(q, mask, i, tile)
+    qi, allowed = _prefix_block(q, mask, i, tile, window)
     dqi, dki, dvi = _block_grads(
       qi, k[:, :, :end], v[:, :, :end], dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-      allowed, Dh**-0.5,
+      allowed, scale, softcap,
     )  # fmt: skip
     widths = ((0, 0), (0, 0), (0, 0), (0, Tp - end))
     dk, dv = dk + jnp.pad(dki, widths), dv + jnp.pad(dvi, widths)
@@ -435,20 +585,22 @@ def _unrolled_backward(q, k, v, mask, out, lse, dout, tile):
   return dq, dk.swapaxes(2, 3).astype(k.dtype), dv.swapaxes(2, 3).astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, mask, tile, unroll):
-  return _flash_fwd(q, k, v, mask, tile, unroll)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, mask, window, tile, unroll, scale, softcap):
+  return _flash_fwd(q, k, v, mask, window, tile, unroll, scale, softcap)[0]
 
 
-def _flash_fwd(q, k, v, mask, tile, unroll):
-  out, lse = (_unrolled_forward if unroll else _flash_forward)(q, k, v, mask, tile)
+def _flash_fwd(q, k, v, mask, window, tile, unroll, scale, softcap):
+  forward = _unrolled_forward if unroll else _flash_forward
+  out, lse = forward(q, k, v, mask, window, tile, scale, softcap)
   out, lse = checkpoint_name(out, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
-  return out, (q, k, v, mask, out, lse)
+  return out, (q, k, v, mask, window, out, lse)
 
 
-def _flash_bwd(tile, unroll, res, dout):
+def _flash_bwd(tile, unroll, scale, softcap, res, dout):
   backward = _unrolled_backward if unroll else _flash_backward
-  return (*backward(*res, dout, tile), None)
+  grads = backward(*res, dout, tile, scale, softcap)
+  return (*grads, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -462,9 +614,14 @@ def blockwise(
   *,
   block_size: int = BLOCK_SIZE,
   unroll: bool = False,
+  scale: float | None = None,
+  softcap: float | None = None,
+  window=None,
 ) -> jax.Array:
   """Flash-style attention, O(T) memory in the forward and backward: q [B,T,H,Dh], k/v
   [B,T,K,Dh], mask bool [B,T] -> [B,T,H,Dh]. T is padded up to whole tiles of <= block_size.
+  scale (default Dh ** -0.5), softcap and window (int, traced int32 or None): `Scores`; the
+  loops skip the key tiles wholly outside the window.
   `unroll`: the query tiles as straight-line code, each against its whole key prefix, for short
   sequences (`UNROLL_MAX_LEN`): XLA's CPU schedule then holds every tile's scores at once, about
   the causal half of dense's [T, T] per head (its memory is not linear in T); else loops."""
@@ -480,7 +637,8 @@ def blockwise(
   Tp = T + pad
   qh = q.reshape(B, Tp, K, H // K, Dh).transpose(0, 2, 1, 3, 4)
   kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B,K,Tp,Dh]
-  out = _flash(qh, kh, vh, mask, tile, unroll)
+  window = None if window is None else jnp.asarray(window, jnp.int32)
+  out = _flash(qh, kh, vh, mask, window, tile, unroll, scale or Dh**-0.5, softcap)
   return out.transpose(0, 2, 1, 3, 4).reshape(B, Tp, H, Dh)[:, :T]
 
 
@@ -493,6 +651,9 @@ def cached_attention(
   *,
   block_size: int = BLOCK_SIZE,
   layer: jax.Array | int | None = None,
+  scale: float | None = None,
+  softcap: float | None = None,
+  window=None,
 ) -> jax.Array:
   """Forward-only blockwise attention of T queries written at cache slots [offset, offset + T).
 
@@ -504,7 +665,9 @@ def cached_attention(
   it lies (no copy of the whole cache or layer): a traced trip count, so one compiled call serves
   every offset and costs what the filled length costs (hence not reverse-differentiable). The
   prefill (T > 1) and the decode step (T = 1, `DECODE_BLOCK`) both attend this way.
-  Memory: one [B, H, tile, block] float32 block at a time.
+  Memory: one [B, H, tile, block] float32 block at a time. scale, softcap and window:
+  `Scores` (window: an int, traced int32 or None); a windowed query reads only the key blocks
+  from its window's first slot on.
   """
   B, T, H, Dh = q.shape
   S, K = k.shape[-3], k.shape[-2]
@@ -513,7 +676,7 @@ def cached_attention(
   tq, nq = _tile(T, block_size)
   tk = min(block_size, S)
   nk = -(-S // tk)
-  scale = Dh**-0.5
+  scale = scale or Dh**-0.5
 
   def slot_block(x, start):  # [B,tk,K,Dh]: slots [start, start + tk) of this layer, as stored
     if layer is None:
@@ -521,7 +684,8 @@ def cached_attention(
     return jax.lax.dynamic_slice(x, (layer, 0, start, 0, 0), (1, B, tk, K, Dh))[0]
 
   if T == 1:
-    return _decode_query(q.reshape(B, K, G, Dh), k, v, mask, offset, tk, nk, scale, slot_block)
+    qg = q.reshape(B, K, G, Dh)
+    return _decode_query(qg, k, v, mask, offset, tk, nk, scale, softcap, window, slot_block)
   if nq * tq > T:
     q = jnp.pad(q, ((0, 0), (0, nq * tq - T), (0, 0), (0, 0)))
   qh = q.reshape(B, nq * tq, K, G, Dh).transpose(0, 2, 1, 3, 4)  # [B,K,Tq,G,Dh]
@@ -540,8 +704,9 @@ def cached_attention(
       kj, vj = key_block(k, start), key_block(v, start)
       kreal = jax.lax.dynamic_slice_in_dim(mask, start, tk, axis=1) & (kpos >= j * tk)[None]
       allowed = (kpos[None, None, :] <= qpos[None, :, None]) & kreal[:, None, :]
+      allowed = allowed & _in_window(qpos[None, :, None], kpos[None, None, :], window)
       allowed = allowed | (kpos[None, None, :] == qpos[None, :, None])
-      return _online_step(c, _scores(qi, kj, allowed, scale), vj)
+      return _online_step(c, _scores(qi, kj, allowed, scale, softcap), vj)
 
     shape = (B, K, tq, G)
     init = (
@@ -549,7 +714,8 @@ def cached_attention(
       jnp.zeros(shape, jnp.float32),
       jnp.zeros((*shape, Dh), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, jnp.minimum(last // tk + 1, nk), k_tile, init)
+    first = _first_key_tile(offset + i * tq, 1, window) // tk  # the window's first block
+    _, l, acc = jax.lax.fori_loop(first, jnp.minimum(last // tk + 1, nk), k_tile, init)
     return (acc / jnp.maximum(l, 1e-30)[..., None]).astype(q.dtype)
 
   if nq == 1:
@@ -560,7 +726,7 @@ def cached_attention(
   return out[:, :T]
 
 
-def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
+def _decode_query(q, k, v, mask, offset, tk, nk, scale, softcap, window, slot_block):
   """`cached_attention` of one query per row, q [B,K,G,Dh] at cache slot `offset` -> [B,1,H,Dh].
 
   Products and sums instead of dots: the step is G-row matrix-vector products, bound by reading
@@ -575,9 +741,11 @@ def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
     start = jnp.minimum(j * tk, S - tk)
     kpos = start + jnp.arange(tk)
     kreal = jax.lax.dynamic_slice_in_dim(mask, start, tk, axis=1) & (kpos >= j * tk)[None]
-    allowed = ((kpos <= offset)[None] & kreal) | (kpos == offset)[None]  # [B, tk]
+    ok = (kpos <= offset) & _in_window(offset, kpos, window)
+    allowed = (ok[None] & kreal) | (kpos == offset)[None]  # [B, tk]
     kj = slot_block(k, start).astype(jnp.float32)  # [B,tk,K,Dh]
     s = jnp.sum(kj[:, :, :, None, :] * qf[:, None], axis=-1) * scale  # [B,tk,K,G]
+    s = soft_cap(s, softcap)
     s = jnp.where(allowed[:, :, None, None], s, _NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
@@ -593,13 +761,22 @@ def _decode_query(q, k, v, mask, offset, tk, nk, scale, slot_block):
     jnp.zeros((B, K, G), jnp.float32),
     jnp.zeros((B, K, G, Dh), jnp.float32),
   )
-  _, l, acc = jax.lax.fori_loop(0, jnp.minimum(offset // tk + 1, nk), k_tile, init)
+  first = _first_key_tile(offset, 1, window) // tk  # the window's first block
+  _, l, acc = jax.lax.fori_loop(first, jnp.minimum(offset // tk + 1, nk), k_tile, init)
   out = acc / jnp.maximum(l, 1e-30)[..., None]
   return out.reshape(B, 1, K * G, Dh).astype(q.dtype)
 
 
 def decode_attention(
-  q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, offset: jax.Array | int
+  q: jax.Array,
+  k_t: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  offset: jax.Array | int,
+  *,
+  scale: float | None = None,
+  softcap: float | None = None,
+  window: int | None = None,
 ) -> jax.Array:
   """One query per row over a layer's whole cache in `model.LayerCache`'s layout.
 
@@ -608,15 +785,25 @@ def decode_attention(
   to its own slot (the KV-cache rule of `cached_attention`). Two plain matrix products per
   (row, KV head), read as stored: on CPU no key or value block is copied, which a loop over
   blocks (`cached_attention`) cannot avoid, since XLA's CPU backend copies every dynamic slice
-  that feeds a matrix product. -> [B,1,H,Dh].
+  that feeds a matrix product. -> [B,1,H,Dh]. scale, softcap: `Scores`; a static `window`
+  shorter than the cache reads only the `window` slots up to the query (one slice of the cache:
+  a copy of the window, not of the cache).
   """
   B, _, H, Dh = q.shape
   K, S = k_t.shape[1], k_t.shape[3]
-  qh = q.reshape(B, K, H // K, Dh) * jnp.asarray(Dh**-0.5, q.dtype)
-  s = jnp.einsum("bkgd,bkds->bkgs", qh, k_t, preferred_element_type=jnp.float32)
-  slots = jnp.arange(S)
   offset = jnp.asarray(offset, jnp.int32)
-  allowed = ((slots <= offset)[None] & mask) | (slots == offset)[None]  # [B, S]
+  slots = jnp.arange(S)
+  if window is not None and window < S:
+    start = jnp.clip(offset - window + 1, 0, S - window)
+    k_t = jax.lax.dynamic_slice_in_dim(k_t, start, window, axis=3)
+    v = jax.lax.dynamic_slice_in_dim(v, start, window, axis=2)
+    mask = jax.lax.dynamic_slice_in_dim(mask, start, window, axis=1)
+    slots = start + jnp.arange(window)
+  qh = q.reshape(B, K, H // K, Dh) * jnp.asarray(scale or Dh**-0.5, q.dtype)
+  s = jnp.einsum("bkgd,bkds->bkgs", qh, k_t, preferred_element_type=jnp.float32)
+  s = soft_cap(s, softcap)
+  ok = (slots <= offset) & _in_window(offset, slots, window)
+  allowed = (ok[None] & mask) | (slots == offset)[None]  # [B, S]
   s = jnp.where(allowed[:, None, None], s, _NEG_INF)
   p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))  # its own slot is always allowed
   out = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -630,7 +817,14 @@ def decode_attention(
 
 
 def cudnn(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, implementation: str = "cudnn"
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  *,
+  implementation: str = "cudnn",
+  scale: float | None = None,
+  window: int | None = None,
 ) -> jax.Array:
   """jax.nn.dot_product_attention with cuDNN's fused causal kernel.
 
@@ -643,8 +837,9 @@ def cudnn(
   fwd, back, length = left_align(mask)
   rot = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
   out = cudnn_left_aligned(
-    rot(q, fwd), rot(k, fwd), rot(v, fwd), length, implementation=implementation
-  )
+    rot(q, fwd), rot(k, fwd), rot(v, fwd), length, implementation=implementation, scale=scale,
+    window=window,
+  )  # fmt: skip
   return rot(out, back)
 
 
@@ -661,13 +856,23 @@ def left_align(mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def cudnn_left_aligned(
-  q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, *, implementation: str = "cudnn"
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  length: jax.Array,
+  *,
+  implementation: str = "cudnn",
+  scale: float | None = None,
+  window: int | None = None,
 ) -> jax.Array:
   """Causal attention of rows whose first length[b] tokens are real and the rest padding
-  (`left_align`): cuDNN's kernel with key_value_seq_lengths. Pad outputs are unspecified."""
+  (`left_align`): cuDNN's kernel with key_value_seq_lengths, and a static sliding `window`
+  (local_window_size: keys j > i - window). Pad outputs are unspecified."""
   return jax.nn.dot_product_attention(
-    q, k, v, is_causal=True, key_value_seq_lengths=length, implementation=implementation
-  )
+    q, k, v, scale=scale, is_causal=True, key_value_seq_lengths=length,
+    local_window_size=None if window is None else (window - 1, 0),
+    implementation=implementation,
+  )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -676,10 +881,17 @@ def cudnn_left_aligned(
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(seq_len: int, groups: int, block: int, interpret: bool):
+def _splash_kernel(
+  seq_len: int, groups: int, block: int, interpret: bool, window: int | None, softcap: float | None
+):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-  mask = sa.MultiHeadMask([sa.CausalMask((seq_len, seq_len)) for _ in range(groups)])
+  shape = (seq_len, seq_len)
+  if window is None:
+    one = lambda: sa.CausalMask(shape)
+  else:  # keys j with i - window < j <= i
+    one = lambda: sa.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+  mask = sa.MultiHeadMask([one() for _ in range(groups)])
   sizes = sa.BlockSizes(
     block_q=block,
     block_kv=block,
@@ -691,7 +903,9 @@ def _splash_kernel(seq_len: int, groups: int, block: int, interpret: bool):
     block_kv_dq=block,
   )
   with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
-    return sa.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    return sa.make_splash_mqa_single_device(
+      mask, block_sizes=sizes, interpret=interpret, attn_logits_soft_cap=softcap
+    )
 
 
 def splash(
@@ -702,8 +916,12 @@ def splash(
   *,
   block_size: int = SPLASH_BLOCK,
   interpret: bool | None = None,
+  scale: float | None = None,
+  softcap: float | None = None,
+  window: int | None = None,
 ) -> jax.Array:
   """The Pallas splash-attention kernel (TPU; `interpret=True` runs it on any backend, slowly).
+  scale, softcap and a static window: `Scores` (the window as splash's LocalMask).
 
   Per example and kv head an MQA kernel over the head's G query heads: a static causal mask
   and segment ids (real tokens 0, pad t gets t + 1, so it sees only itself). T is padded to a
@@ -725,9 +943,10 @@ def splash(
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     mask = jnp.pad(mask, ((0, 0), (0, Tp - T)))
   segments = jnp.where(mask, 0, jnp.arange(1, Tp + 1, dtype=jnp.int32)[None])
-  qh = (q * jnp.asarray(Dh**-0.5, q.dtype)).reshape(B, Tp, K, G, Dh).transpose(0, 2, 3, 1, 4)
+  qh = q * jnp.asarray(scale or Dh**-0.5, q.dtype)
+  qh = qh.reshape(B, Tp, K, G, Dh).transpose(0, 2, 3, 1, 4)
   kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))
-  kernel = _splash_kernel(Tp, G, block, bool(interpret))
+  kernel = _splash_kernel(Tp, G, block, bool(interpret), window, softcap)
 
   def per_device(qh, kh, vh, segments):
     def one(qg, kk, vv, seg):

@@ -29,7 +29,12 @@ from safetensors.numpy import save_file
 from gppo_jax import errors, files
 from gppo_jax.models import partitioning
 from gppo_jax.models import tokenizer as tokenizer_lib
-from gppo_jax.models.architectures import ModelConfig, config_from_hf, config_to_hf
+from gppo_jax.models.architectures import (
+  ModelConfig,
+  config_from_hf,
+  config_to_hf,
+  hf_rope_parameters,
+)
 from gppo_jax.models.model import Transformer
 
 CONFIG_FILE = "config.json"
@@ -114,7 +119,14 @@ def param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], _Spec]:
       lambda x, c: x.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
       lambda x, c: x.reshape(-1, c.hidden_size).T,
     ),
-    ("layers", "mlp_norm"): _Spec(_L + "post_attention_layernorm.weight", _D, _same, _same),
+    # Llama's post_attention_layernorm is the MLP's input norm; Gemma names that one
+    # pre_feedforward_layernorm and its post_attention_layernorm is the attention output's.
+    ("layers", "mlp_norm"): _Spec(
+      _L + ("pre_feedforward" if cfg.post_norms else "post_attention") + "_layernorm.weight",
+      _D,
+      _same,
+      _same,
+    ),
     ("layers", "w_gate"): _Spec(
       _L + "mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T
     ),
@@ -133,6 +145,13 @@ def param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], _Spec]:
     hd = lambda c: (c.head_dim,)
     specs[("layers", "q_norm")] = _Spec(_L + "self_attn.q_norm.weight", hd, _same, _same)
     specs[("layers", "k_norm")] = _Spec(_L + "self_attn.k_norm.weight", hd, _same, _same)
+  if cfg.post_norms:
+    specs[("layers", "attn_post_norm")] = _Spec(
+      _L + "post_attention_layernorm.weight", _D, _same, _same
+    )
+    specs[("layers", "mlp_post_norm")] = _Spec(
+      _L + "post_feedforward_layernorm.weight", _D, _same, _same
+    )
   if not cfg.tie_word_embeddings:
     specs[("lm_head",)] = _Spec("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _T, _T)
   return specs
@@ -379,11 +398,7 @@ def _hf_config(cfg: ModelConfig, dtype: str, base: dict[str, Any] | None) -> dic
   out.update(ours)
   out.pop("dtype", None)
   if "rope_parameters" in out:  # transformers>=5 layout: keep it consistent with ours
-    out["rope_parameters"] = {
-      "rope_type": "default",
-      **(out["rope_scaling"] or {}),
-      "rope_theta": cfg.rope_theta,
-    }
+    out["rope_parameters"] = hf_rope_parameters(cfg)
   return out
 
 

@@ -1,12 +1,16 @@
-"""The policy: a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+"""The policy: a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Gemma 2/3) in Flax NNX.
 
 The forward pass and the log-prob heads; its configuration (`ModelConfig`, the named
 architectures, the Hugging Face config.json mapping) is in `architectures.py`.
 
-One module covers the three Hugging Face families: RoPE (with Llama-3 frequency scaling),
+One module covers the Hugging Face families: RoPE (with Llama-3 frequency scaling),
 grouped-query attention, SwiGLU MLP, RMSNorm, optional q/k/v bias (Qwen2) and per-head q/k RMSNorm
-(Qwen3), tied or untied embeddings. Layer weights are stacked on a leading "layers" axis and the
-forward pass is a `lax.scan`, so a 32-layer model compiles as fast as a 1-layer one.
+(Qwen3), tied or untied embeddings. Gemma is a configuration of the same layer (ModelConfig's
+Gemma fields): GeGLU, (1 + w) RMSNorm, norms on the attention's and MLP's outputs too, the
+sqrt(hidden) embedding scale, its attention scale and soft caps, sliding-window layers (their
+window and, for Gemma 3, their own RoPE base picked per layer inside the scan). Layer weights
+are stacked on a leading "layers" axis and the forward pass is a `lax.scan`, so a 32-layer model
+compiles as fast as a 1-layer one.
 
 Every parameter carries logical axis names (`out_sharding` metadata on `nnx.Param`); the rules
 table in `partitioning.py` maps them to mesh axes, so sharding never touches this file.
@@ -29,7 +33,12 @@ from flax import nnx
 
 from gppo_jax.models import attention as attention_lib
 from gppo_jax.models import low_precision, partitioning
-from gppo_jax.models.architectures import REMAT_POLICIES, ModelConfig, layer_plan
+from gppo_jax.models.architectures import (
+  REMAT_POLICIES,
+  ModelConfig,
+  layer_plan,
+  resolve_attention,
+)
 
 # --------------------------------------------------------------------------------------------
 # Parameters
@@ -59,7 +68,8 @@ class Layers(nnx.Module):
     p = lambda shape, axes, init="normal": _param(
       rngs, (L, *shape), ("layers", *axes), dt, init, std
     )
-    self.attn_norm = p((D,), ("embed",), "ones")
+    norm = "zeros" if cfg.norm_plus_one else "ones"  # a (1 + w) norm starts at w = 0
+    self.attn_norm = p((D,), ("embed",), norm)
     self.wq = p((D, H, Dh), ("embed", "heads", "head_dim"))
     self.wk = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
     self.wv = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
@@ -69,9 +79,12 @@ class Layers(nnx.Module):
       self.bk = p((K, Dh), ("kv_heads", "head_dim"), "zeros")
       self.bv = p((K, Dh), ("kv_heads", "head_dim"), "zeros")
     if cfg.qk_norm:
-      self.q_norm = p((Dh,), ("head_dim",), "ones")
-      self.k_norm = p((Dh,), ("head_dim",), "ones")
-    self.mlp_norm = p((D,), ("embed",), "ones")
+      self.q_norm = p((Dh,), ("head_dim",), norm)
+      self.k_norm = p((Dh,), ("head_dim",), norm)
+    if cfg.post_norms:
+      self.attn_post_norm = p((D,), ("embed",), norm)
+      self.mlp_post_norm = p((D,), ("embed",), norm)
+    self.mlp_norm = p((D,), ("embed",), norm)
     self.w_gate = p((D, F), ("embed", "mlp"))
     self.w_up = p((D, F), ("embed", "mlp"))
     self.w_down = p((F, D), ("mlp", "embed"))
@@ -152,11 +165,48 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> KVCache:
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last axis in float32, returned in x's dtype (as Llama/Qwen do)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+  """RMSNorm over the last axis in float32, returned in x's dtype (as Llama/Qwen do). plus_one:
+  scaled by (1 + weight) in float32, then cast (as Gemma does)."""
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
   return _in_float32(jnp.multiply, xf.astype(x.dtype), weight.astype(x.dtype))
+
+
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+  """The model's RMSNorm of x with `weight` (cfg's eps and weight convention)."""
+  return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+
+def embed_tokens(cfg: ModelConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """The rows of the embedding `table` for `tokens`, in the compute dtype; with cfg.embed_scale
+  times sqrt(hidden_size) rounded to that dtype (as transformers' Gemma does)."""
+  x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+  if cfg.embed_scale:
+    x = x * jnp.asarray(cfg.hidden_size**0.5, cfg.compute_dtype)
+  return x
+
+
+def scores_of(cfg: ModelConfig) -> attention_lib.Scores:
+  """How cfg's attention forms its scores: scale, soft cap, sliding window."""
+  scale = cfg.attn_scale if cfg.query_pre_attn_scalar else None
+  window = cfg.sliding_window if cfg.windowed else None
+  return attention_lib.Scores(scale=scale, softcap=cfg.attn_softcap, window=window)
+
+
+def local_flags(cfg: ModelConfig) -> jax.Array | None:
+  """bool [num_layers]: which layers are sliding-window ones (scanned with the weights), or
+  None when none is."""
+  if not cfg.windowed:
+    return None
+  return jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
+
+
+def final_softcap(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+  """Logits soft-capped at cfg.final_softcap (cap * tanh(logits / cap)); unchanged without."""
+  return attention_lib.soft_cap(logits, cfg.final_softcap)
 
 
 def _in_float32(op: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -173,11 +223,13 @@ def _in_float32(op: Callable, a: jax.Array, b: jax.Array) -> jax.Array:
   return op(a.astype(f32), b.astype(f32)).astype(a.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """float32 [head_dim // 2] inverse frequencies, with linear or Llama-3 scaling applied."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
+  """float32 [head_dim // 2] inverse frequencies, with linear or Llama-3 scaling applied; local:
+  the local layers' (cfg.rope_local_theta, unscaled)."""
   d = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  p = cfg.rope_params
+  theta = cfg.rope_local_theta if local else cfg.rope_theta
+  inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  p = {} if local else cfg.rope_params
   kind = p.get("rope_type", "default")
   if kind == "linear":
     inv = inv / p["factor"]
@@ -196,10 +248,18 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
   """(cos, sin) float32 [B, T, 1, head_dim] of positions [B, T] (half-split layout, as HF),
   computed once per forward (each distinct angle once) and shared by every layer: inside the
-  layer scan they would be computed per layer and again in each remat recompute."""
-  angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, Dh/2]
+  layer scan they would be computed per layer and again in each remat recompute. With
+  cfg.rope_local_theta each is [2, B, T, 1, head_dim]: the global layers' and the local ones'
+  (`decoder_layer` picks)."""
   twice = lambda a: jnp.concatenate([a, a], -1)[:, :, None, :]
-  return twice(jnp.cos(angles)), twice(jnp.sin(angles))
+
+  def tables(local):
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg, local)  # [B,T,Dh/2]
+    return twice(jnp.cos(angles)), twice(jnp.sin(angles))
+
+  if cfg.rope_local_theta is None:
+    return tables(False)
+  return tuple(jnp.stack(pair) for pair in zip(tables(False), tables(True), strict=True))
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -227,29 +287,40 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   return y.reshape(*lead, *out)
 
 
-def decoder_layer(cfg, p, x, rope, attend):
-  """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
+def decoder_layer(cfg, p, x, rope, attend, local=None):
+  """One pre-norm decoder layer. attend(q, k, v, local) -> [B, T, H, Dh] handles cache / no
+  cache; local: whether this is a sliding-window layer (a bool, traced inside the layer scan;
+  None when the model has none), which also picks its RoPE tables (`rope_tables`)."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   # remat "dots" keeps the projections' products, which a custom VJP would hide from it.
   mm = functools.partial(project, custom_vjp=cfg.remat != "dots")
-  h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+  if cfg.rope_local_theta is not None:
+    pick = jnp.asarray(False if local is None else local, jnp.int32)
+    rope = tuple(jax.lax.dynamic_index_in_dim(t, pick, keepdims=False) for t in rope)
+  h = norm(cfg, x, w["attn_norm"])
   q = mm(h, w["wq"])
   k = mm(h, w["wk"])
   v = mm(h, w["wv"])
   if cfg.attention_bias:
     q, k, v = (_in_float32(jnp.add, a, w[b]) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
   if cfg.qk_norm:
-    q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = norm(cfg, q, w["q_norm"])
+    k = norm(cfg, k, w["k_norm"])
   q = apply_rope(q, rope)
   k = apply_rope(k, rope)
-  attn = attend(q, k, v)
-  x = x + mm(attn, w["wo"], contract=2)
-  h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+  attn = mm(attend(q, k, v, local), w["wo"], contract=2)
+  if cfg.post_norms:
+    attn = norm(cfg, attn, w["attn_post_norm"])
+  x = x + attn
+  h = norm(cfg, x, w["mlp_norm"])
   gate = mm(h, w["w_gate"])
   up = mm(h, w["w_up"])
-  return x + mm(jax.nn.silu(gate) * up, w["w_down"])
+  act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+  out = mm(act * up, w["w_down"])
+  if cfg.post_norms:
+    out = norm(cfg, out, w["mlp_post_norm"])
+  return x + out
 
 
 class Transformer(nnx.Module):
@@ -296,9 +367,10 @@ class Transformer(nnx.Module):
     if attn_mask is None:
       attn_mask = jnp.ones((B, T), bool)
     attn_mask = attn_mask.astype(bool)
-    embed = lambda tokens: jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    embed = lambda tokens: embed_tokens(cfg, self.embed[...], tokens)
     params = self.layers.arrays()
     layer_ids = jnp.arange(cfg.num_layers)
+    scores, flags = scores_of(cfg), local_flags(cfg)
 
     if cache is None and self._attention(T) == "cudnn":
       # cuDNN takes padding as sequence lengths: rotate each row once so that its real tokens
@@ -308,7 +380,11 @@ class Transformer(nnx.Module):
       fwd, back, length = attention_lib.left_align(attn_mask)
       rotate = lambda a, idx: jnp.take_along_axis(a, idx, axis=1)
       x = embed(rotate(tokens, fwd))
-      attend = lambda q, k, v: attention_lib.cudnn_left_aligned(q, k, v, length)
+      attend = lambda q, k, v, local: attention_lib.per_layer_kernel(
+        lambda w: attention_lib.cudnn_left_aligned(q, k, v, length, scale=scores.scale, window=w),
+        scores.window,
+        local,
+      )
       x = self._layer_scan(x, rotate(positions, fwd), attend)
       x = rotate(x, back[:, :, None])
       new_cache = None
@@ -330,35 +406,39 @@ class Transformer(nnx.Module):
       blockwise = blockwise or self._attention(S) != "dense"
       if cache_block is None:
         cache_block = attention_lib.DECODE_BLOCK if T == 1 else attention_lib.BLOCK_SIZE
-      if not blockwise:
-        allowed = ((slots <= query_slot)[None] & mask[:, None, :]) | (slots == query_slot)[None]
+      causal = (slots <= query_slot)[None] & mask[:, None, :]
       zero = jnp.zeros((), jnp.int32)
       rope = rope_tables(positions, cfg)
 
       def step(carry, xs):
         x, ck, cv = carry
         p, l = xs
+        local = None if flags is None else flags[l]
 
-        def attend(q, k, v):
+        def attend(q, k, v, local):
           nonlocal ck, cv
           at = (l, zero, idx, zero, zero)
           ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
           cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+          window = attention_lib.layer_window(scores.window, local)
           if blockwise:
             return attention_lib.cached_attention(
-              q, ck, cv, mask, idx, block_size=cache_block, layer=l
-            )
+              q, ck, cv, mask, idx, block_size=cache_block, layer=l, scale=scores.scale,
+              softcap=scores.softcap, window=window,
+            )  # fmt: skip
           keys = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
           values = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
-          return attention_lib.dense(q, keys, values, allowed)
+          ok = causal if window is None else causal & ((query_slot - slots) < window)[None]
+          allowed = ok | (slots == query_slot)[None]
+          return attention_lib.dense(q, keys, values, allowed, scores.scale, scores.softcap)
 
-        x = decoder_layer(cfg, p, x, rope, attend)
+        x = decoder_layer(cfg, p, x, rope, attend, local)
         return (x, ck, cv), None
 
       (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
       new_cache = KVCache(k=ck, v=cv, mask=mask)
 
-    return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+    return norm(cfg, x, self.final_norm[...]), new_cache
 
   def decode_step(
     self,
@@ -381,7 +461,8 @@ class Transformer(nnx.Module):
     """
     layer_weights, head = weights
     cfg = self.cfg
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.compute_dtype)
+    scores = scores_of(cfg)
+    x = embed_tokens(cfg, self.embed[...], tokens)
     rope = rope_tables(positions, cfg)
     idx = jnp.asarray(cache_index, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -389,34 +470,41 @@ class Transformer(nnx.Module):
     keys, values = list(cache.k), list(cache.v)
     for l, p in enumerate(layer_weights):
 
-      def attend(q, k, v, l=l):
+      def attend(q, k, v, local, l=l):
         # k, v [B, 1, K, Dh] -> slot idx of keys [B, K, Dh, S] / values [B, K, S, Dh]
         new_k = k.transpose(0, 2, 3, 1).astype(keys[l].dtype)
         keys[l] = jax.lax.dynamic_update_slice(keys[l], new_k, (zero, zero, zero, idx))
         new_v = v.transpose(0, 2, 1, 3).astype(values[l].dtype)
         values[l] = jax.lax.dynamic_update_slice(values[l], new_v, (zero, zero, idx, zero))
-        return attention_lib.decode_attention(q, keys[l], values[l], mask, idx)
+        return attention_lib.decode_attention(
+          q, keys[l], values[l], mask, idx, scale=scores.scale, softcap=scores.softcap,
+          window=cfg.layer_window(l),
+        )  # fmt: skip
 
-      x = decoder_layer(cfg, p, x, rope, attend)
+      local = (l in cfg.local_layers) if cfg.windowed else None
+      x = decoder_layer(cfg, p, x, rope, attend, local)
     new_cache = LayerCache(k=tuple(keys), v=tuple(values), mask=mask)
-    hidden = rms_norm(x[:, 0], self.final_norm[...], cfg.rms_norm_eps)
-    return head_logits(hidden, head, tied=True), new_cache
+    hidden = norm(cfg, x[:, 0], self.final_norm[...])
+    return final_softcap(cfg, head_logits(hidden, head, tied=True)), new_cache
 
   def _attention(self, seq_len: int) -> str:
     """The attention implementation cfg.attention resolves to for `seq_len` tokens."""
-    cfg = self.cfg
-    return attention_lib.resolve(
-      cfg.attention, seq_len=seq_len, dtype=cfg.compute_dtype, head_dim=cfg.head_dim
-    )
+    return resolve_attention(self.cfg, seq_len)
 
   def _self_attend(self, attn_mask: jax.Array) -> Callable:
-    """attend(q, k, v) for causal self-attention over [B, T] rows with padding mask attn_mask."""
+    """attend(q, k, v, local) for causal self-attention over [B, T] rows with padding mask
+    attn_mask."""
     impl = self._attention(attn_mask.shape[1])
-    if impl == "dense":
-      allowed = attention_lib.self_allowed(attn_mask)  # built once, outside the layer scan
-      return lambda q, k, v: attention_lib.dense_fused(q, k, v, allowed)
+    scores = scores_of(self.cfg)
+    if impl == "dense":  # the masks built once, outside the layer scan
+      allowed = _layer_allowed(lambda w: attention_lib.self_allowed(attn_mask, w), scores.window)
+      return lambda q, k, v, local: attention_lib.dense_fused(
+        q, k, v, allowed(local), scores.scale, scores.softcap
+      )
     # cfg.attention itself, not what it resolves to: "auto" may run blockwise's tiles unrolled.
-    return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, self.cfg.attention)
+    return lambda q, k, v, local: attention_lib.attention(
+      q, k, v, attn_mask, self.cfg.attention, scores=scores, local=local
+    )
 
   def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
@@ -425,13 +513,15 @@ class Transformer(nnx.Module):
     rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
     remat, scan = layer_plan(cfg, *x.shape[:2])
 
-    def step(x, p):
+    def step(x, xs):
+      p, local = xs
       x = partitioning.constrain_batch(x)
-      return decoder_layer(cfg, p, x, rope, attend), None
+      return decoder_layer(cfg, p, x, rope, attend, local), None
 
     if REMAT_POLICIES[remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, self.layers.arrays(), unroll=not scan)
+    xs = (self.layers.arrays(), local_flags(cfg))
+    x, _ = jax.lax.scan(step, x, xs, unroll=not scan)
     return x
 
   def shared_prompt_hidden(
@@ -483,9 +573,9 @@ class Transformer(nnx.Module):
 
     attend = self._shared_prefix_attend(attn_mask.astype(bool), pack, unpack, P, G)
 
-    x = jnp.take(self.embed[...], pack(tokens), axis=0).astype(self.cfg.compute_dtype)
+    x = embed_tokens(self.cfg, self.embed[...], pack(tokens))
     x = self._layer_scan(x, pack(positions), attend)
-    x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+    x = norm(self.cfg, x, self.final_norm[...])
     last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
     conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
     return jnp.concatenate([last, conts], axis=2).reshape(N, R + 1, x.shape[-1])
@@ -497,10 +587,16 @@ class Transformer(nnx.Module):
     of the prompt's keys and values into every row and back, and G times fewer, larger score
     products. Otherwise it unpacks q, k and v into the rows and runs cfg.attention there."""
     if attends_packed_groups(self.cfg, attn_mask.shape[1], P, G):
-      allowed = attention_lib.shared_prefix_allowed(pack(attn_mask), P, G)
-      return lambda q, k, v: attention_lib.dense_fused(q, k, v, allowed)
+      scores = scores_of(self.cfg)
+      packed = pack(attn_mask)
+      allowed = _layer_allowed(
+        lambda w: attention_lib.shared_prefix_allowed(packed, P, G, w), scores.window
+      )
+      return lambda q, k, v, local: attention_lib.dense_fused(
+        q, k, v, allowed(local), scores.scale, scores.softcap
+      )
     row_attend = self._self_attend(attn_mask)
-    return lambda q, k, v: pack(row_attend(unpack(q), unpack(k), unpack(v)))
+    return lambda q, k, v, local: pack(row_attend(unpack(q), unpack(k), unpack(v), local))
 
   def unembedding(self) -> tuple[jax.Array, bool]:
     """(W, tied): the output projection, [vocab, hidden] when tied else [hidden, vocab]."""
@@ -509,9 +605,20 @@ class Transformer(nnx.Module):
     return self.lm_head[...], False
 
   def logits(self, hidden: jax.Array) -> jax.Array:
-    """float32 [..., vocab] logits of hidden states (tied or untied head)."""
+    """float32 [..., vocab] logits of hidden states (tied or untied head, soft-capped where
+    cfg.final_softcap says)."""
     w, tied = self.unembedding()
-    return head_logits(hidden, w, tied)
+    return final_softcap(self.cfg, head_logits(hidden, w, tied))
+
+
+def _layer_allowed(build: Callable, window: int | None) -> Callable:
+  """allowed(local) for a dense mask build(window): with a sliding window both masks are built
+  once, outside the layer scan, and each layer selects its own."""
+  full = build(None)
+  if window is None:
+    return lambda local: full
+  windowed = build(window)
+  return lambda local: full if local is None else jnp.where(local, windowed, full)
 
 
 def packed_group_len(row_len: int, prompt_len: int, group_size: int) -> int:
@@ -528,9 +635,7 @@ def attends_packed_groups(
   dense for S on `backend` (default: jax's) and the group's S^2 scores are at most twice its
   rows' group_size * row_len^2."""
   S = packed_group_len(row_len, prompt_len, group_size)
-  impl = attention_lib.resolve(
-    cfg.attention, seq_len=S, dtype=cfg.compute_dtype, head_dim=cfg.head_dim, backend=backend
-  )
+  impl = resolve_attention(cfg, S, backend)
   return group_size > 1 and impl == "dense" and S * S <= 2 * group_size * row_len**2
 
 
@@ -637,6 +742,7 @@ def chunked_logprob_stats(
   gather_ids: jax.Array | None = None,
   entropy: bool = False,
   top_k: int = 0,
+  softcap: float | None = None,
 ) -> dict[str, jax.Array]:
   """Statistics of softmax(hidden @ W / temperature), walking the sequence in chunks.
 
@@ -644,6 +750,7 @@ def chunked_logprob_stats(
   Each chunk's float32 logits [B, chunk, V] are built and dropped inside a `jax.checkpoint`ed
   scan step, so neither the forward nor the gradient ever holds all [B, T, V] logits. chunk_size
   None: one plain piece when those logits take at most ONE_CHUNK_BYTES, else CHUNK_SIZE.
+  softcap: the logits soft cap (`ModelConfig.final_softcap`), before the temperature.
   Returns float32 arrays: "logprobs" [B, T]; with entropy, "entropy" [B, T]; with gather_ids,
   "gathered_logprobs" [B, T, K]; with top_k > 0, "topk_logprobs" [B, T, k] and "topk_ids".
   """
@@ -666,7 +773,7 @@ def chunked_logprob_stats(
   w_low = w.astype(hidden.dtype) if jnp.dtype(hidden.dtype).itemsize < 4 else None
 
   def chunk(w, h, i):
-    logits = head_logits(h, w, tied, w_low) / temperature
+    logits = attention_lib.soft_cap(head_logits(h, w, tied, w_low), softcap) / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     out = {"lp": jnp.take_along_axis(logits, i, axis=-1) - lse[..., None]}
     if entropy:
@@ -695,6 +802,7 @@ def chunked_logprob_stats(
 def chunked_logprobs(model: Transformer, hidden: jax.Array, targets: jax.Array, **kwargs):
   """`chunked_logprob_stats` with the model's own head, for hidden states already computed."""
   w, tied = model.unembedding()
+  kwargs.setdefault("softcap", model.cfg.final_softcap)
   return chunked_logprob_stats(hidden, w, targets, tied=tied, **kwargs)
 
 

@@ -46,6 +46,7 @@ from gppo_jax.algorithm import divergences as divs
 from gppo_jax.algorithm import estimators as ests
 from gppo_jax.algorithm import objective
 from gppo_jax.data import readers
+from gppo_jax.models import attention as attention_lib
 from gppo_jax.models import model as model_lib
 
 Array = jax.Array
@@ -147,8 +148,10 @@ def token_stats_chunked(
   chunk_size: int = 16,
   gather_ids: Array | None = None,
   kept_ids: Array | None = None,
+  softcap: float | None = None,
 ) -> dict[str, Array]:
-  """`token_stats_from_logits` from final hidden states and unembeddings, chunk by chunk.
+  """`token_stats_from_logits` from final hidden states and unembeddings, chunk by chunk
+  (logits soft-capped at `softcap`, the model's final_softcap, as its head does).
 
   hidden_p, hidden_q [B, T, D]; w_p, w_q [D, V] ([V, D] if tied); targets int [B, T]; gather_ids
   int [B, T, K]; kept_ids int [B, T, W] (see there). The sequence is cut into chunks of
@@ -178,8 +181,9 @@ def token_stats_chunked(
 
   def step(_, x):
     stats = token_stats_from_logits(
-      model_lib.head_logits(x["hp"], w_p, tied),  # as the model's head computes them
-      model_lib.head_logits(x["hq"], w_q, tied),
+      # as the model's head computes them
+      attention_lib.soft_cap(model_lib.head_logits(x["hp"], w_p, tied), softcap),
+      attention_lib.soft_cap(model_lib.head_logits(x["hq"], w_q, tied), softcap),
       x["t"],
       divergences=divergences,
       temperature=temperature,
@@ -474,11 +478,11 @@ def make_diagnostics_fn(
       _field(batch, "inputs"), _field(batch, "positions"), attn_mask=_field(batch, "attn")
     )
     w, tied = model.unembedding()
-    return hidden[:, prompt_len - 1 :], w, tied
+    return hidden[:, prompt_len - 1 :], w, (tied, model.cfg.final_softcap)
 
   @jax.jit
   def diagnostics(params_behaviour, params_current, batch):
-    hq, w_q, tied = response_hidden(params_behaviour, batch)
+    hq, w_q, (tied, softcap) = response_hidden(params_behaviour, batch)
     hp, w_p, _ = response_hidden(params_current, batch)
     targets = _field(batch, "targets")[:, prompt_len - 1 :]
     topk_ids = _field(batch, "topk_ids")
@@ -494,6 +498,7 @@ def make_diagnostics_fn(
       chunk_size=chunk_size,
       gather_ids=topk_ids,
       kept_ids=_field(batch, "kept_ids"),
+      softcap=softcap,
     )
     m = diagnostics_from_stats(
       stats,
