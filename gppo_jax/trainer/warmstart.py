@@ -79,6 +79,23 @@ def _sft(graphdef, lr: float):
   return tx, jax.jit(tx.init), train_step.make_sft_step(graphdef, tx)
 
 
+def _judge(info: dict, ws_cfg) -> dict:
+  """info with the target and whether it was missed; a miss is logged as a warning."""
+  info = {**info, "target_accuracy": float(ws_cfg.target_accuracy)}
+  info["missed_target"] = bool(info["accuracy"] < ws_cfg.target_accuracy)
+  if info["missed_target"]:
+    logging.getLogger("gppo_jax").warning(
+      "warm start MISSED its target: held-out greedy accuracy %.3f < %.2f after %d supervised "
+      "steps (warmstart.max_steps=%d). RL starts from this weaker policy; the run's summary "
+      "records warm_start.missed_target, and `python -m gppo_jax.sweep` reports its seed apart.",
+      info["accuracy"],
+      info["target_accuracy"],
+      info["steps"],
+      ws_cfg.max_steps,
+    )
+  return info
+
+
 def _everywhere(flag: bool) -> bool:
   """Whether `flag` holds on every process of the run (the flag itself on one process)."""
   return sharding.global_max(0 if flag else 1) == 0
@@ -87,7 +104,10 @@ def _everywhere(flag: bool) -> bool:
 def warm_start(
   graphdef: nnx.GraphDef, params, env: BuiltinEnv, model_cfg, ws_cfg, *, seed: int, log=print
 ):
-  """Returns (params, info) after supervised training to ws_cfg.target_accuracy (or max_steps)."""
+  """Returns (params, info) after supervised training to ws_cfg.target_accuracy (or max_steps).
+
+  info: accuracy (held-out greedy), steps, seconds, loss, target_accuracy and missed_target (the
+  accuracy ended below the target: warned here, recorded in the run's summary)."""
   cache_dir = os.path.expanduser(ws_cfg.cache_dir) if ws_cfg.cache_dir else ""
   path = os.path.join(cache_dir, _cache_key(env, model_cfg, ws_cfg, seed)) if cache_dir else ""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -108,7 +128,7 @@ def warm_start(
         f"warm start: loaded cached policy from {path} (held-out accuracy "
         f"{info['accuracy']:.3f} after {info['steps']} supervised steps)"
       )
-      return restored, info
+      return restored, _judge(info, ws_cfg)
     if restored is not None:
       log(f"warm start: the cache entry {path} is not readable on every process; retraining")
 
@@ -139,6 +159,7 @@ def warm_start(
     "seconds": time.time() - t0,
     "loss": float(loss),
   }
+  info = _judge(info, ws_cfg)
   if not path:
     return params, info
   # Saved only where no process holds the entry (a save into a folder that some processes already
