@@ -637,6 +637,44 @@ def test_a_warm_start_that_misses_its_target_is_a_warning_and_in_the_summary(
       assert "(held-out accuracy 0.086 < 0.30 after 3000 supervised steps)" in out
 
 
+def test_warm_start_schedule_is_in_the_cache_key_and_off_by_default():
+  """The default warm start is plain Adam with the cache key of the entries cached before the
+  schedule fields existed; any schedule is another key (a stale start is never reused) and
+  rises linearly, then decays by a cosine to lr * final_lr_fraction, clipping the gradient."""
+  import ml_collections
+
+  from gppo_jax.models import architectures
+  from gppo_jax.trainer import warmstart
+
+  c = load_config("kl_atomic.py")
+  env = envs.BuiltinEnv("addsub3", seed=0, eval_size=16)
+  cfg = architectures.get("char-tiny", vocab_size=env.tokenizer.vocab_size)
+  key = lambda ws: warmstart._cache_key(env, cfg, ws, 9)
+  old = ml_collections.ConfigDict({k: c.warmstart[k] for k in c.warmstart if k not in (
+    "warmup_steps", "final_lr_fraction", "decay_steps", "clip_norm")})  # fmt: skip
+  assert key(c.warmstart) == key(old)
+  assert warmstart._schedule(c.warmstart) == warmstart._PLAIN
+  keys = {key(c.warmstart)}
+  for field, value in (("warmup_steps", 100), ("final_lr_fraction", 0.1), ("clip_norm", 1.0)):
+    ws = c.warmstart.copy_and_resolve_references()
+    ws[field] = value
+    keys.add(key(ws))
+  assert len(keys) == 4
+  tx = warmstart.make_optimizer(3e-3, (100, 0.1, 3000, 1.0))
+  params = {"w": np.zeros(3, np.float32)}
+  state = tx.init(params)
+  rates = []
+  for _ in range(3001):
+    grads = {"w": np.full(3, 100.0, np.float32)}  # norm 173: clipped to 1
+    upd, state = tx.update(grads, state, params)
+    rates.append(-float(upd["w"][0]))
+  # Adam's first step moves each coordinate by the rate; later ones by about the rate.
+  assert rates[0] == pytest.approx(0.0, abs=1e-12) and rates[50] == pytest.approx(1.5e-3, rel=1e-2)
+  assert rates[100] == pytest.approx(3e-3, rel=1e-2) and rates[3000] == pytest.approx(
+    3e-4, rel=1e-2
+  )
+
+
 def test_warm_start_cache_folder_is_a_machine_setting(tmp_path, monkeypatch):
   """GPPO_WARMSTART_CACHE moves every config's default warm-start cache (smoke runs' too) or turns
   it off; without it the cache is ~/.cache/gppo_jax/warmstart."""

@@ -39,6 +39,9 @@ def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
       k: ws_cfg[k]
       for k in ("target_accuracy", "max_steps", "eval_every", "eval_size", "batch_size", "lr")
     },
+    # The schedule's fields only where they differ from plain Adam at lr, so that the entries
+    # cached before the fields existed keep their keys.
+    **({"schedule": _schedule(ws_cfg)} if _schedule(ws_cfg) != _PLAIN else {}),
     "seed": seed,
   }
   blob = json.dumps(desc, sort_keys=True, default=str).encode()
@@ -71,11 +74,37 @@ def supervised_batch(env: BuiltinEnv, rng: np.random.Generator, n: int) -> dict[
   }
 
 
+_PLAIN = (0, 1.0, None, 0.0)  # (warmup_steps, final_lr_fraction, decay_steps, clip_norm)
+
+
+def _schedule(ws_cfg) -> tuple[int, float, int | None, float]:
+  """(warmup_steps, final_lr_fraction, decay_steps or None without decay, clip_norm)."""
+  frac = float(ws_cfg.get("final_lr_fraction", 1.0))
+  decay = int(ws_cfg.get("decay_steps", 1)) if frac != 1.0 else None
+  return int(ws_cfg.get("warmup_steps", 0)), frac, decay, float(ws_cfg.get("clip_norm", 0.0))
+
+
+def make_optimizer(lr: float, schedule=_PLAIN) -> optax.GradientTransformation:
+  """Adam at lr, or with `schedule` (see _schedule) a linear warmup, a cosine decay to
+  lr * final_lr_fraction at decay_steps and clipping of the gradient's global norm."""
+  warmup, frac, decay, clip = schedule
+  if (warmup, frac, clip) == (0, 1.0, 0.0):
+    return optax.adam(lr)  # exactly the recipe of the entries cached before the schedule
+  if decay is None:
+    rate = optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+    )
+  else:
+    rate = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay, warmup + 1), lr * frac)
+  tx = optax.adam(rate)
+  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+
+
 @sharding.reuse
-def _sft(graphdef, lr: float):
+def _sft(graphdef, lr: float, schedule=_PLAIN):
   """Adam, its init as one program (not one eager op per leaf shape) and the supervised step;
   the same functions for the next warm start of this shape in the process."""
-  tx = optax.adam(lr)
+  tx = make_optimizer(lr, schedule)
   return tx, jax.jit(tx.init), train_step.make_sft_step(graphdef, tx)
 
 
@@ -132,7 +161,7 @@ def warm_start(
     if restored is not None:
       log(f"warm start: the cache entry {path} is not readable on every process; retraining")
 
-  tx, init, step_fn = _sft(graphdef, ws_cfg.lr)
+  tx, init, step_fn = _sft(graphdef, ws_cfg.lr, _schedule(ws_cfg))
   opt_state = init(params)
   rng = np.random.default_rng([seed, 7])
   eval_prompts = env.eval_prompts()[: ws_cfg.eval_size]
