@@ -151,7 +151,7 @@ def base(
   # Optional schedule of the supervised step: linear warmup over warmup_steps, then cosine decay
   # to lr * final_lr_fraction at decay_steps (1.0: constant), gradients clipped to clip_norm
   # (0: none). The defaults are plain Adam at lr; docs/verdict.md ("Warm starts that miss their
-  # target") has what 100 / 0.1 / 1.0 (decay_steps 3000) did to the starts of seeds 0-3 and 8-10.
+  # target") has what 100 / 0.1 / 1.0 (decay_steps 3000) did to the starts of seeds 0-3 and 8-12.
   c.warmstart.warmup_steps = 0
   c.warmstart.final_lr_fraction = 1.0
   c.warmstart.decay_steps = 3000
