@@ -148,6 +148,14 @@ def base(
   c.warmstart.eval_size = 256
   c.warmstart.batch_size = 128
   c.warmstart.lr = 3e-3
+  # Optional schedule of the supervised step: linear warmup over warmup_steps, then cosine decay
+  # to lr * final_lr_fraction at decay_steps (1.0: constant), gradients clipped to clip_norm
+  # (0: none). The defaults are plain Adam at lr; docs/verdict.md ("Warm starts that miss their
+  # target") has what 100 / 0.1 / 1.0 (decay_steps 3000) did to the starts of seeds 0-3 and 8-12.
+  c.warmstart.warmup_steps = 0
+  c.warmstart.final_lr_fraction = 1.0
+  c.warmstart.decay_steps = 3000
+  c.warmstart.clip_norm = 0.0
   c.warmstart.cache_dir = cache_folder(WARMSTART_CACHE_ENV, WARMSTART_CACHE_DEFAULT)
   # Seed of the initial policy (init + warm start); None = the run's seed.
   c.warmstart.seed = ml_collections.config_dict.placeholder(int)
@@ -513,6 +521,10 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("warmstart.eval_size", Int(1)),
     ("warmstart.batch_size", Int(1)),
     ("warmstart.lr", Range(0, lo_open=True)),
+    ("warmstart.warmup_steps", Int(0)),
+    ("warmstart.final_lr_fraction", Range(0, 1)),
+    ("warmstart.decay_steps", Int(1)),
+    ("warmstart.clip_norm", Range(0)),
     ("warmstart.cache_dir", Text(empty_ok=True)),
     ("warmstart.seed", Int(-(2**63), none_ok=True)),
     # Rollouts.

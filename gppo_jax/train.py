@@ -585,6 +585,17 @@ def _gain_verdict(gain: float, se0: float | None, se1: float | None) -> str:
   )
 
 
+def _missed_start_line(info: dict[str, Any]) -> str:
+  """A warning for a run whose supervised warm start ended below its target ('' otherwise)."""
+  if not info.get("missed_target"):
+    return ""
+  return (
+    f"WARNING: the warm start missed its target (held-out accuracy {info['accuracy']:.3f} < "
+    f"{info['target_accuracy']:.2f} after {info['steps']} supervised steps): this run did not "
+    "start from the intended policy (summary.json: warm_start.missed_target)"
+  )
+
+
 def _print_summary(s: dict[str, Any], config) -> None:
   before, after = s["initial_eval"], s["final_eval"]
   acc0, acc1 = before.get("eval/accuracy", float("nan")), after.get("eval/accuracy", float("nan"))
@@ -597,6 +608,8 @@ def _print_summary(s: dict[str, Any], config) -> None:
   se0, se1 = before.get("eval/accuracy_se"), after.get("eval/accuracy_se")
   if verdict := _gain_verdict(acc1 - acc0, se0, se1):
     lines.append(f"  {verdict}")
+  if line := _missed_start_line(s.get("warm_start") or {}):
+    lines.append(f"  {line}")
   for key in after:
     if key != "eval/accuracy" and key in before and not key.endswith("_se"):
       lines.append(f"  {key}: {before[key]:.3f} -> {after[key]:.3f}")

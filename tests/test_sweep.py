@@ -217,10 +217,20 @@ def test_bad_command_line_is_one_error_line_and_exit_2():
 
 
 def fake_run(
-  out, run: sweep.Run, curve, masked, *, settings=None, finished=True, seconds=9.0, diag=None
+  out,
+  run: sweep.Run,
+  curve,
+  masked,
+  *,
+  settings=None,
+  finished=True,
+  seconds=9.0,
+  diag=None,
+  start=None,
 ):
   """A run folder as train and the sweep leave it: record, config, metrics, summary; `diag`
-  ({metric: value}) is logged as diag/<metric> every 10 steps."""
+  ({metric: value}) is logged as diag/<metric> every 10 steps; `start` is the summary's
+  warm_start (the warm start's info)."""
   settings = settings or sweep.Settings(out=str(out))
   path = sweep.run_dir(str(out), run)
   os.makedirs(path, exist_ok=True)
@@ -244,7 +254,7 @@ def fake_run(
     "train": {"epochs": 2, "minibatches": 4},
     "optim": {"lr": 3e-4},
     "eval": {"every": 50, "num_problems": 512},
-    "warmstart": {"seed": settings.start_seed(run.seed)},
+    "warmstart": {"seed": settings.start_seed(run.seed), "target_accuracy": 0.3},
   }
   config["loss"].update(delta_low=low, delta_high=high)
   json.dump(config, open(os.path.join(path, "config.json"), "w"))
@@ -264,6 +274,7 @@ def fake_run(
       "initial_eval": {"eval/accuracy": curve[0]},
       "final_eval": {"eval/accuracy": curve[-1]},
       "seconds": seconds,
+      "warm_start": start or {},
     }
     json.dump(summary, open(os.path.join(path, "summary.json"), "w"))
   return path
@@ -291,9 +302,9 @@ def test_a_run_folder_reads_back(tmp_path):
   assert unfinished["status"] == "unfinished" and math.isnan(unfinished["final"])
 
 
-def _fake_grid(out, seeds=(0, 1, 2, 3)):
+def _fake_grid(out, seeds=(0, 1, 2, 3), starts=None):
   """12 cells + none: tv_mc varies by seed; every other cell is tv_mc plus a fixed offset, so
-  paired differences are exact and unpaired intervals are wide."""
+  paired differences are exact and unpaired intervals are wide. starts: {seed: warm_start}."""
   base = {0: 0.40, 1: 0.50, 2: 0.60, 3: 0.70}
   offsets = {c: 0.01 * i for i, c in enumerate(sweep.GRID)}
   offsets["kl_atomic"] = 0.05
@@ -306,7 +317,9 @@ def _fake_grid(out, seeds=(0, 1, 2, 3)):
         else sweep.Run(seed, "f_eps", 1.0, cell)
       )
       final = base[seed] + offsets[cell]
-      fake_run(out, run, [0.33, (0.33 + final) / 2, final], 0.0 if cell == "none" else 0.05)
+      curve = [0.33, (0.33 + final) / 2, final]
+      start = (starts or {}).get(seed)
+      fake_run(out, run, curve, 0.0 if cell == "none" else 0.05, start=start)
 
 
 def test_outputs_from_run_folders(tmp_path):
@@ -379,6 +392,60 @@ def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp
   assert plot in report.write_plots(os.path.join(tmp_path, "plots"), report.collect(str(tmp_path)))
   with open(plot, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _table_line(text, cell):
+  line = next(x for x in text.splitlines() if x.startswith(f"| {cell} |"))
+  return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_a_seed_whose_warm_start_missed_its_target_is_listed_and_left_out(tmp_path):
+  """Seed 1's start ended below its target: listed apart, out of every statistic unless asked.
+  Seed 3's summary predates the missed_target field: judged from its accuracy and the config's
+  target (0.3), and in time."""
+  ok = {"accuracy": 0.32, "steps": 900, "target_accuracy": 0.3, "missed_target": False}
+  missed = {"accuracy": 0.086, "steps": 3000, "target_accuracy": 0.3, "missed_target": True}
+  starts = {0: ok, 1: missed, 2: ok, 3: {"accuracy": 0.31, "steps": 1000}}
+  _fake_grid(tmp_path, starts=starts)
+  rows = report.collect(str(tmp_path))
+  assert {r["seed"] for r in rows if r["start_missed"]} == {1}
+  assert [r["seed"] for r in report.counted(rows)] == [s for s in (0, 2, 3) for _ in range(13)]
+  assert len(report.counted(rows, include_missed=True)) == 52
+
+  paths = report.write_outputs(str(tmp_path), {"start": "per_seed"})
+  assert paths["missed_starts"] == ["1"]
+  csv_rows = list(csv.DictReader(open(paths["runs_csv"])))
+  assert {r["seed"] for r in csv_rows if r["start_missed"] == "True"} == {"1"}
+  text = open(paths["results_md"]).read()
+  section = text[text.index("## Warm starts that missed their target") :]
+  assert "| 1 | 8.6% | 30.0% | 1 | 13 |" in section and "**left out**" in section
+  # kl_atomic - tv_mc is +5 on every seed; kl_atomic's mean over seeds 0, 2, 3 is 0.616...
+  kl = _table_line(text, "kl_atomic")
+  assert kl[2] == "3 of 4" and kl[5] == "+5.0 [+5.0, +5.0] (n=3)"
+  assert kl[3].startswith(f"{100 * np.mean([0.45, 0.65, 0.75]):.1f} [")
+  claim = next(x for x in text.splitlines() if x.startswith("| KL-Atomic vs TV-MC"))
+  assert "| 3 |" in claim
+
+  text = report.results_markdown(rows, include_missed=True)
+  assert "**counted**" in text
+  kl = _table_line(text, "kl_atomic")
+  assert kl[2] == "4" and kl[5] == "+5.0 [+5.0, +5.0] (n=4)"
+  assert kl[3].startswith("60.0 [")
+
+  # Every start made its target: no section, every seed counted.
+  _fake_grid(tmp_path, starts=dict.fromkeys(range(4), ok))
+  text = report.results_markdown(report.collect(str(tmp_path)))
+  assert "missed their target" not in text and _table_line(text, "kl_atomic")[2] == "4"
+
+
+def test_the_sweep_counts_missed_starts_when_asked(tmp_path):
+  missed = {"accuracy": 0.1, "steps": 3000, "target_accuracy": 0.3, "missed_target": True}
+  _fake_grid(tmp_path, seeds=(0, 1, 2), starts={2: missed})
+  assert sweep.main(["--report-only", "--out", str(tmp_path)]) == 0
+  assert _table_line((tmp_path / "results.md").read_text(), "kl_atomic")[2] == "2 of 3"
+  args = ["--report-only", "--include-missed-starts", "--out", str(tmp_path)]
+  assert sweep.main(args) == 0
+  assert _table_line((tmp_path / "results.md").read_text(), "kl_atomic")[2] == "3"
 
 
 def test_report_only_rebuilds_outputs(tmp_path):

@@ -355,6 +355,11 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]
   assert json.load(open(os.path.join(wd, "config.json")))["loss"]["estimator"] == "atomic"
   assert os.path.exists(os.path.join(wd, "summary.json"))
+  # The warm start's outcome against its target is in the summary (the smoke run's 30 steps
+  # need not reach it).
+  ws = json.load(open(os.path.join(wd, "summary.json")))["warm_start"]
+  assert ws["target_accuracy"] == c.warmstart.target_accuracy
+  assert ws["missed_target"] is (ws["accuracy"] < ws["target_accuracy"])
   # Resume: a longer run in the same workdir continues at iteration 3, not from scratch.
   c.iterations = 4
   summary2 = train.train_and_evaluate(c, wd)
@@ -582,6 +587,92 @@ def test_warm_start_cache_is_reused_and_survives_races_and_corruption(tmp_path, 
   assert os.listdir(entry_dir) == ["6"]
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # retrained, same seed
+
+
+def test_a_warm_start_that_misses_its_target_is_a_warning_and_in_the_summary(
+  tmp_path, caplog, capsys
+):
+  """An unreachable target (1.0 after 4 steps): the warm start warns, records the miss in its
+  info (trained or loaded from the cache), and the run's summary carries it and says so."""
+  from flax import nnx
+
+  from gppo_jax.models import architectures
+  from gppo_jax.models import model as model_lib
+  from gppo_jax.trainer import warmstart
+
+  c = load_config("kl_atomic.py", "smoke,task=add1")
+  c.warmstart.cache_dir = str(tmp_path / "cache")
+  c.warmstart.max_steps = 4
+  c.warmstart.eval_every = 2
+  c.warmstart.eval_size = 8
+  env = envs.BuiltinEnv("add1", seed=0, eval_size=16)
+  cfg = architectures.get("char-tiny", vocab_size=env.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model_lib.create(cfg, 0))
+  for target, missed in ((1.0, True), (0.0, False)):
+    c.warmstart.target_accuracy = target
+    for source in ("trained", "cached"):
+      caplog.clear()
+      with caplog.at_level("WARNING", logger="gppo_jax"):
+        _, info = warmstart.warm_start(graphdef, params, env, cfg, c.warmstart, seed=0, log=print)
+      assert info["missed_target"] is missed and info["target_accuracy"] == target, source
+      assert info["steps"] == (4 if missed else 2), source
+      warned = [r.getMessage() for r in caplog.records if "MISSED its target" in r.getMessage()]
+      assert len(warned) == int(missed), source
+      if missed:
+        assert f"accuracy {info['accuracy']:.3f} < 1.00 after 4 supervised steps" in warned[0]
+  summary = {
+    "initial_eval": {"eval/accuracy": 0.1}, "final_eval": {"eval/accuracy": 0.2},
+    "iterations": 3, "seconds": 1.0, "metrics_file": "m", "workdir": "w", "checkpoints": "c",
+  }  # fmt: skip
+  capsys.readouterr()
+  for ws, warns in (
+    ({"accuracy": 0.086, "steps": 3000, "target_accuracy": 0.3, "missed_target": True}, True),
+    ({"accuracy": 0.31, "steps": 900, "target_accuracy": 0.3, "missed_target": False}, False),
+    ({}, False),  # no warm start (a Hugging Face policy, or warmstart.enabled=False)
+  ):
+    train._print_summary({**summary, "warm_start": ws}, c)
+    out = capsys.readouterr().out
+    assert ("WARNING: the warm start missed its target" in out) is warns
+    if warns:
+      assert "(held-out accuracy 0.086 < 0.30 after 3000 supervised steps)" in out
+
+
+def test_warm_start_schedule_is_in_the_cache_key_and_off_by_default():
+  """The default warm start is plain Adam with the cache key of the entries cached before the
+  schedule fields existed; any schedule is another key (a stale start is never reused) and
+  rises linearly, then decays by a cosine to lr * final_lr_fraction, clipping the gradient."""
+  import ml_collections
+
+  from gppo_jax.models import architectures
+  from gppo_jax.trainer import warmstart
+
+  c = load_config("kl_atomic.py")
+  env = envs.BuiltinEnv("addsub3", seed=0, eval_size=16)
+  cfg = architectures.get("char-tiny", vocab_size=env.tokenizer.vocab_size)
+  key = lambda ws: warmstart._cache_key(env, cfg, ws, 9)
+  old = ml_collections.ConfigDict({k: c.warmstart[k] for k in c.warmstart if k not in (
+    "warmup_steps", "final_lr_fraction", "decay_steps", "clip_norm")})  # fmt: skip
+  assert key(c.warmstart) == key(old)
+  assert warmstart._schedule(c.warmstart) == warmstart._PLAIN
+  keys = {key(c.warmstart)}
+  for field, value in (("warmup_steps", 100), ("final_lr_fraction", 0.1), ("clip_norm", 1.0)):
+    ws = c.warmstart.copy_and_resolve_references()
+    ws[field] = value
+    keys.add(key(ws))
+  assert len(keys) == 4
+  tx = warmstart.make_optimizer(3e-3, (100, 0.1, 3000, 1.0))
+  params = {"w": np.zeros(3, np.float32)}
+  state = tx.init(params)
+  rates = []
+  for _ in range(3001):
+    grads = {"w": np.full(3, 100.0, np.float32)}  # norm 173: clipped to 1
+    upd, state = tx.update(grads, state, params)
+    rates.append(-float(upd["w"][0]))
+  # Adam's first step moves each coordinate by the rate; later ones by about the rate.
+  assert rates[0] == pytest.approx(0.0, abs=1e-12) and rates[50] == pytest.approx(1.5e-3, rel=1e-2)
+  assert rates[100] == pytest.approx(3e-3, rel=1e-2) and rates[3000] == pytest.approx(
+    3e-4, rel=1e-2
+  )
 
 
 def test_warm_start_cache_folder_is_a_machine_setting(tmp_path, monkeypatch):

@@ -134,7 +134,29 @@ def read_run(path: str) -> dict[str, Any]:
     row[field] = {
       k[len(prefix) :]: diag_sum[k] / diag_n[k] for k in diag_sum if k.startswith(prefix)
     }
+  row.update(_start(summary if done else None, config))
   return row
+
+
+def _start(summary: dict | None, config: dict) -> dict[str, Any]:
+  """The run's supervised warm start: its held-out accuracy, its target and whether it ended
+  below the target (summaries written before train recorded `missed_target` are judged from the
+  accuracy and the config's warmstart.target_accuracy). No warm start: NaN and not missed."""
+  info = (summary or {}).get("warm_start") or {}
+  target = (config.get("warmstart") or {}).get("target_accuracy")
+  target = _float(info.get("target_accuracy", target))
+  acc = _float(info.get("accuracy"))
+  if "missed_target" in info:
+    missed = bool(info["missed_target"])
+  else:
+    missed = math.isfinite(acc) and math.isfinite(target) and acc < target
+  return {"start_accuracy": acc, "start_target": target, "start_missed": missed}
+
+
+def counted(rows: Iterable[dict], include_missed: bool = False) -> list[dict]:
+  """The rows that enter the statistics: without `include_missed`, not those whose warm start
+  missed its target (they did not start from the policy the comparison is about)."""
+  return [r for r in rows if include_missed or not r["start_missed"]]
 
 
 def _budget(c: dict) -> str:
@@ -187,6 +209,8 @@ CSV_FIELDS = (
   "delta_high",
   "seed",
   "start_seed",
+  "start_accuracy",
+  "start_missed",
   "iterations",
   "initial",
   "final",
@@ -324,9 +348,13 @@ def _gain_rows(items, cells_rows) -> list[str]:
   return lines
 
 
-def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
-  """results.md: settings and time, then per radius setting the per-cell table, the paper's
-  summary comparisons and the per-estimator / per-divergence averages, and the plots."""
+def results_markdown(
+  rows: Sequence[dict], sweep: dict | None = None, *, include_missed: bool = False
+) -> str:
+  """results.md: settings and time, the warm starts that missed their target, then per radius
+  setting the per-cell table, the paper's summary comparisons and the per-estimator /
+  per-divergence averages, and the plots. The runs of a missed start are left out of every
+  statistic unless `include_missed`."""
   sweep = sweep or {}
   done = [r for r in rows if r["status"] == "done"]
   walls = [r["wall_s"] for r in rows if math.isfinite(r["wall_s"])]
@@ -366,12 +394,14 @@ def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
     "over the seeds both sides finished. Masked: share of tokens masked by the trust region in "
     "the later mini-batches, mean over the second half of the run.",
   ]
+  lines += _missed_section(rows, include_missed)
   for group in groups(rows):
-    grows = [r for r in rows if in_group(r, group)]
+    every = [r for r in rows if in_group(r, group)]  # the cell table counts them all
+    grows = counted(every, include_missed)
     cells_rows = by_cell(grows)
     tag = group_tag(group)
     lines += ["", f"## Radius {tag}", ""]
-    lines += _cell_table(grows, cells_rows)
+    lines += _cell_table(every, cells_rows)
     items = comparisons(cells_rows)
     if items:
       lines += [
@@ -411,6 +441,41 @@ def results_markdown(rows: Sequence[dict], sweep: dict | None = None) -> str:
       "Failed runs (see train.log in each folder): " + ", ".join(r["run"] for r in failed),
     ]
   return "\n".join(lines) + "\n"
+
+
+def _missed_section(rows: Sequence[dict], include_missed: bool) -> list[str]:
+  """The starting policies whose supervised warm start ended below its target, one line each
+  with the seeds that started from it, and whether the statistics count their runs."""
+  starts: dict[Any, list[dict]] = {}
+  for r in rows:
+    if r["start_missed"]:
+      starts.setdefault(r["start_seed"], []).append(r)
+  if not starts:
+    return []
+  how = (
+    "**counted** in the statistics below (`--include-missed-starts`)"
+    if include_missed
+    else "**left out** of every statistic and plot below (`--include-missed-starts` counts them)"
+  )
+  lines = [
+    "",
+    "## Warm starts that missed their target",
+    "",
+    "These starting policies ended their supervised warm start below its target accuracy, so "
+    "RL did not start from the policy the comparison assumes; their runs are listed in runs.csv "
+    f"(`start_missed`) and {how}.",
+    "",
+    "| start seed | held-out accuracy | target | seeds | runs |",
+    "|---|---|---|---|---|",
+  ]
+  for start, runs in sorted(starts.items(), key=lambda kv: str(kv[0])):
+    seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in runs}, key=str))
+    lines.append(
+      f"| {start} | {_pct(runs[0]['start_accuracy'], unit='%')} "
+      f"| {_pct(runs[0]['start_target'], unit='%')} "
+      f"| {seeds} | {len(runs)} |"
+    )
+  return lines
 
 
 def _cell_table(grows: Sequence[dict], cells_rows: dict[str, dict[int, dict]]) -> list[str]:
@@ -587,12 +652,13 @@ def _color(cell: str) -> str:
   return f"C{3 + names.index(cell) % 7}" if cell in names else "k"
 
 
-def write_plots(plot_dir: str, rows: Sequence[dict]) -> list[str]:
+def write_plots(plot_dir: str, rows: Sequence[dict], *, include_missed: bool = False) -> list[str]:
   """Per radius setting: `<tag>_heatmap.png` (divergence x estimator, final and AUC accuracy),
   `<tag>_curves.png` (held-out accuracy along the run, mean over seeds with its 95% band) and
   `<tag>_masked.png` (masked fraction of the later mini-batches, smoothed, with its band) and,
   where the runs logged diagnostics, `<tag>_masked_by_q.png` (each estimator's masked share by
-  behaviour probability beside the exact divergence's)."""
+  behaviour probability beside the exact divergence's). Runs of a warm start that missed its
+  target are left out unless `include_missed`."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -600,7 +666,9 @@ def write_plots(plot_dir: str, rows: Sequence[dict]) -> list[str]:
 
   os.makedirs(plot_dir, exist_ok=True)
   paths = []
-  for group in groups(rows):
+  groups_all = groups(rows)
+  rows = counted(rows, include_missed)
+  for group in groups_all:
     tag = group_tag(group)
     cells_rows = by_cell(r for r in rows if in_group(r, group))
     order = [*GRID, NONE, *presets.names()]
@@ -704,19 +772,26 @@ def _plot_masked_by_q(plt, path: str, pools: Sequence[tuple[str, list[dict]]], t
   plt.close(fig)
 
 
-def write_outputs(out: str, sweep: dict | None = None) -> dict[str, Any]:
-  """runs.csv, results.md and plots/ of the run folders under `out`; returns their paths."""
+def write_outputs(
+  out: str, sweep: dict | None = None, *, include_missed: bool = False
+) -> dict[str, Any]:
+  """runs.csv, results.md and plots/ of the run folders under `out`; returns their paths. The
+  runs of warm starts that missed their target are listed apart and counted in the statistics
+  only with `include_missed`."""
   rows = collect(out)
   if not rows:
     raise errors.MissingFileError(f"no sweep runs under {os.path.join(out, 'runs')}")
   sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
   write_runs_csv(os.path.join(out, "runs.csv"), rows)
-  files.write_atomic(os.path.join(out, "results.md"), results_markdown(rows, sweep))
-  plots = write_plots(os.path.join(out, "plots"), rows)
+  files.write_atomic(
+    os.path.join(out, "results.md"), results_markdown(rows, sweep, include_missed=include_missed)
+  )
+  plots = write_plots(os.path.join(out, "plots"), rows, include_missed=include_missed)
   return {
     "runs_csv": os.path.join(out, "runs.csv"),
     "results_md": os.path.join(out, "results.md"),
     "plots": plots,
     "runs": len(rows),
     "finished": sum(r["status"] == "done" for r in rows),
+    "missed_starts": sorted({str(r["start_seed"]) for r in rows if r["start_missed"]}),
   }

@@ -39,6 +39,9 @@ def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
       k: ws_cfg[k]
       for k in ("target_accuracy", "max_steps", "eval_every", "eval_size", "batch_size", "lr")
     },
+    # The schedule's fields only where they differ from plain Adam at lr, so that the entries
+    # cached before the fields existed keep their keys.
+    **({"schedule": _schedule(ws_cfg)} if _schedule(ws_cfg) != _PLAIN else {}),
     "seed": seed,
   }
   blob = json.dumps(desc, sort_keys=True, default=str).encode()
@@ -71,12 +74,55 @@ def supervised_batch(env: BuiltinEnv, rng: np.random.Generator, n: int) -> dict[
   }
 
 
+_PLAIN = (0, 1.0, None, 0.0)  # (warmup_steps, final_lr_fraction, decay_steps, clip_norm)
+
+
+def _schedule(ws_cfg) -> tuple[int, float, int | None, float]:
+  """(warmup_steps, final_lr_fraction, decay_steps or None without decay, clip_norm)."""
+  frac = float(ws_cfg.get("final_lr_fraction", 1.0))
+  decay = int(ws_cfg.get("decay_steps", 1)) if frac != 1.0 else None
+  return int(ws_cfg.get("warmup_steps", 0)), frac, decay, float(ws_cfg.get("clip_norm", 0.0))
+
+
+def make_optimizer(lr: float, schedule=_PLAIN) -> optax.GradientTransformation:
+  """Adam at lr, or with `schedule` (see _schedule) a linear warmup, a cosine decay to
+  lr * final_lr_fraction at decay_steps and clipping of the gradient's global norm."""
+  warmup, frac, decay, clip = schedule
+  if (warmup, frac, clip) == (0, 1.0, 0.0):
+    return optax.adam(lr)  # exactly the recipe of the entries cached before the schedule
+  if decay is None:
+    rate = optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+    )
+  else:
+    rate = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(decay, warmup + 1), lr * frac)
+  tx = optax.adam(rate)
+  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+
+
 @sharding.reuse
-def _sft(graphdef, lr: float):
+def _sft(graphdef, lr: float, schedule=_PLAIN):
   """Adam, its init as one program (not one eager op per leaf shape) and the supervised step;
   the same functions for the next warm start of this shape in the process."""
-  tx = optax.adam(lr)
+  tx = make_optimizer(lr, schedule)
   return tx, jax.jit(tx.init), train_step.make_sft_step(graphdef, tx)
+
+
+def _judge(info: dict, ws_cfg) -> dict:
+  """info with the target and whether it was missed; a miss is logged as a warning."""
+  info = {**info, "target_accuracy": float(ws_cfg.target_accuracy)}
+  info["missed_target"] = bool(info["accuracy"] < ws_cfg.target_accuracy)
+  if info["missed_target"]:
+    logging.getLogger("gppo_jax").warning(
+      "warm start MISSED its target: held-out greedy accuracy %.3f < %.2f after %d supervised "
+      "steps (warmstart.max_steps=%d). RL starts from this weaker policy; the run's summary "
+      "records warm_start.missed_target, and `python -m gppo_jax.sweep` reports its seed apart.",
+      info["accuracy"],
+      info["target_accuracy"],
+      info["steps"],
+      ws_cfg.max_steps,
+    )
+  return info
 
 
 def _everywhere(flag: bool) -> bool:
@@ -87,7 +133,10 @@ def _everywhere(flag: bool) -> bool:
 def warm_start(
   graphdef: nnx.GraphDef, params, env: BuiltinEnv, model_cfg, ws_cfg, *, seed: int, log=print
 ):
-  """Returns (params, info) after supervised training to ws_cfg.target_accuracy (or max_steps)."""
+  """Returns (params, info) after supervised training to ws_cfg.target_accuracy (or max_steps).
+
+  info: accuracy (held-out greedy), steps, seconds, loss, target_accuracy and missed_target (the
+  accuracy ended below the target: warned here, recorded in the run's summary)."""
   cache_dir = os.path.expanduser(ws_cfg.cache_dir) if ws_cfg.cache_dir else ""
   path = os.path.join(cache_dir, _cache_key(env, model_cfg, ws_cfg, seed)) if cache_dir else ""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -108,11 +157,11 @@ def warm_start(
         f"warm start: loaded cached policy from {path} (held-out accuracy "
         f"{info['accuracy']:.3f} after {info['steps']} supervised steps)"
       )
-      return restored, info
+      return restored, _judge(info, ws_cfg)
     if restored is not None:
       log(f"warm start: the cache entry {path} is not readable on every process; retraining")
 
-  tx, init, step_fn = _sft(graphdef, ws_cfg.lr)
+  tx, init, step_fn = _sft(graphdef, ws_cfg.lr, _schedule(ws_cfg))
   opt_state = init(params)
   rng = np.random.default_rng([seed, 7])
   eval_prompts = env.eval_prompts()[: ws_cfg.eval_size]
@@ -139,6 +188,7 @@ def warm_start(
     "seconds": time.time() - t0,
     "loss": float(loss),
   }
+  info = _judge(info, ws_cfg)
   if not path:
     return params, info
   # Saved only where no process holds the entry (a save into a folder that some processes already
