@@ -36,17 +36,38 @@ from gppo_jax.models.architectures import REMAT_POLICIES, ModelConfig, layer_pla
 # --------------------------------------------------------------------------------------------
 
 
+class LoRAParam(nnx.Param):
+  """A LoRA adapter matrix (`Layers`): with LoRA on, the only parameters a run trains, carries
+  optimizer state for and checkpoints (`split_lora`)."""
+
+
 def _param(
-  rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal", std: float = 0.02
+  rngs: nnx.Rngs | None,
+  shape,
+  axes,
+  dtype,
+  init: str = "normal",
+  std: float = 0.02,
+  kind: type[nnx.Param] = nnx.Param,
 ) -> nnx.Param:
-  """An nnx.Param with logical axis names; placement is decided later by partitioning.py."""
+  """An nnx.Param (or `kind`) with logical axis names; placement is decided later by
+  partitioning.py."""
   if init == "normal":
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   elif init == "ones":
     value = jnp.ones(shape, jnp.float32)
   else:
     value = jnp.zeros(shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+  return kind(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"  # suffixes of a weight's adapters' names in `Layers`
+
+
+def contracted_axes(name: str) -> int:
+  """How many leading axes (after "layers") of layer weight `name` a projection contracts: the
+  output projection wo [heads, head_dim, embed] two, every other one."""
+  return 2 if name == "wo" else 1
 
 
 class Layers(nnx.Module):
@@ -75,6 +96,22 @@ class Layers(nnx.Module):
     self.w_gate = p((D, F), ("embed", "mlp"))
     self.w_up = p((D, F), ("embed", "mlp"))
     self.w_down = p((F, D), ("mlp", "embed"))
+    # LoRA adapters of the targeted weights W [*in, *out]: A [*in, r] (random, std
+    # 1/sqrt(fan-in)) and B [r, *out] (zeros, so that a fresh adapter leaves the model as it is),
+    # in float32 whatever the base's dtype (they are the trained, master weights).
+    r = cfg.lora_rank
+    for name in cfg.lora_weights:
+      w = getattr(self, name)
+      c = contracted_axes(name)
+      shape, axes = w.shape[1:], w.get_metadata()["out_sharding"][1:]
+      fan_in = math.prod(shape[:c])
+      a_shape, b_shape = (L, *shape[:c], r), (L, r, *shape[c:])
+      a_axes, b_axes = ("layers", *axes[:c], None), ("layers", None, *axes[c:])
+      f32 = jnp.float32
+      setattr(
+        self, name + LORA_A, _param(rngs, a_shape, a_axes, f32, std=fan_in**-0.5, kind=LoRAParam)
+      )
+      setattr(self, name + LORA_B, _param(rngs, b_shape, b_axes, f32, "zeros", kind=LoRAParam))
 
   def arrays(self) -> dict[str, jax.Array]:
     return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
@@ -227,16 +264,38 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   return y.reshape(*lead, *out)
 
 
-def decoder_layer(cfg, p, x, rope, attend):
-  """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache."""
+def lora_delta(cfg, w, name: str, x: jax.Array, contract: int, key=None, *, mm=project):
+  """(alpha / r) dropout(x) A B: the LoRA adapters' term of projection `name` for x (A, B are
+  w[name + LORA_A], w[name + LORA_B]); dropout (cfg.lora_dropout) only when a key is given."""
+  if key is not None and cfg.lora_dropout > 0:
+    keep = jax.random.bernoulli(key, 1.0 - cfg.lora_dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - cfg.lora_dropout), jnp.zeros_like(x)).astype(x.dtype)
+  down = mm(x, w[name + LORA_A], contract)
+  return mm(down * jnp.asarray(cfg.lora_scale, down.dtype), w[name + LORA_B])
+
+
+def decoder_layer(cfg, p, x, rope, attend, lora_key=None):
+  """One pre-norm decoder layer. attend(q, k, v) -> [B, T, H, Dh] handles cache / no cache.
+  Weights with LoRA adapters in p (`Layers`) add their term; lora_key (training only) draws
+  the adapters' dropout."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   # remat "dots" keeps the projections' products, which a custom VJP would hide from it.
-  mm = functools.partial(project, custom_vjp=cfg.remat != "dots")
+  plain = functools.partial(project, custom_vjp=cfg.remat != "dots")
+
+  def mm(h, name, contract=1):
+    y = plain(h, w[name], contract)
+    if name + LORA_A in w:
+      key = None
+      if lora_key is not None:
+        key = jax.random.fold_in(lora_key, cfg.lora_weights.index(name))
+      y = y + lora_delta(cfg, w, name, h, contract, key, mm=plain)
+    return y
+
   h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-  q = mm(h, w["wq"])
-  k = mm(h, w["wk"])
-  v = mm(h, w["wv"])
+  q = mm(h, "wq")
+  k = mm(h, "wk")
+  v = mm(h, "wv")
   if cfg.attention_bias:
     q, k, v = (_in_float32(jnp.add, a, w[b]) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
   if cfg.qk_norm:
@@ -245,11 +304,11 @@ def decoder_layer(cfg, p, x, rope, attend):
   q = apply_rope(q, rope)
   k = apply_rope(k, rope)
   attn = attend(q, k, v)
-  x = x + mm(attn, w["wo"], contract=2)
+  x = x + mm(attn, "wo", contract=2)
   h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-  gate = mm(h, w["w_gate"])
-  up = mm(h, w["w_up"])
-  return x + mm(jax.nn.silu(gate) * up, w["w_down"])
+  gate = mm(h, "w_gate")
+  up = mm(h, "w_up")
+  return x + mm(jax.nn.silu(gate) * up, "w_down")
 
 
 class Transformer(nnx.Module):
@@ -276,6 +335,7 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     cache_index: jax.Array | int | None = None,
     cache_block: int | None = None,
+    lora_key: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
 
@@ -289,6 +349,8 @@ class Transformer(nnx.Module):
     cache_index). Blocks of `cache_block` slots; by default a single token (the decode step)
     uses `attention.DECODE_BLOCK` and several tokens (a prefill) `attention.BLOCK_SIZE`, or
     attend densely over the whole cache when cfg.attention resolves to dense for its length.
+    lora_key (without cache only: training) draws the LoRA adapters' dropout
+    (cfg.lora_dropout); without it there is none.
     Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
     """
     cfg = self.cfg
@@ -309,11 +371,11 @@ class Transformer(nnx.Module):
       rotate = lambda a, idx: jnp.take_along_axis(a, idx, axis=1)
       x = embed(rotate(tokens, fwd))
       attend = lambda q, k, v: attention_lib.cudnn_left_aligned(q, k, v, length)
-      x = self._layer_scan(x, rotate(positions, fwd), attend)
+      x = self._layer_scan(x, rotate(positions, fwd), attend, lora_key)
       x = rotate(x, back[:, :, None])
       new_cache = None
     elif cache is None:
-      x = self._layer_scan(embed(tokens), positions, self._self_attend(attn_mask))
+      x = self._layer_scan(embed(tokens), positions, self._self_attend(attn_mask), lora_key)
       new_cache = None
     else:
       if cache_index is None:
@@ -418,20 +480,26 @@ class Transformer(nnx.Module):
     # cfg.attention itself, not what it resolves to: "auto" may run blockwise's tiles unrolled.
     return lambda q, k, v: attention_lib.attention(q, k, v, attn_mask, self.cfg.attention)
 
-  def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+  def _layer_scan(
+    self, x: jax.Array, positions: jax.Array, attend: Callable, lora_key: jax.Array | None = None
+  ) -> jax.Array:
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
-    each step rematerialised, as `architectures.layer_plan` says for cfg and this shape."""
+    each step rematerialised, as `architectures.layer_plan` says for cfg and this shape.
+    lora_key: one dropout key per layer for the LoRA adapters (`decoder_layer`)."""
     cfg = self.cfg
     rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
     remat, scan = layer_plan(cfg, *x.shape[:2])
+    dropout = lora_key is not None and cfg.lora_rank > 0 and cfg.lora_dropout > 0
+    keys = jax.random.split(lora_key, cfg.num_layers) if dropout else None
 
-    def step(x, p):
+    def step(x, xs):
+      p, key = xs
       x = partitioning.constrain_batch(x)
-      return decoder_layer(cfg, p, x, rope, attend), None
+      return decoder_layer(cfg, p, x, rope, attend, key), None
 
     if REMAT_POLICIES[remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, self.layers.arrays(), unroll=not scan)
+    x, _ = jax.lax.scan(step, x, (self.layers.arrays(), keys), unroll=not scan)
     return x
 
   def shared_prompt_hidden(
@@ -442,6 +510,7 @@ class Transformer(nnx.Module):
     *,
     prompt_len: int,
     group_size: int,
+    lora_key: jax.Array | None = None,
   ) -> jax.Array:
     """Hidden states of the response part of rows that come in groups sharing one prompt,
     running each prompt through the layers once instead of once per row.
@@ -484,7 +553,7 @@ class Transformer(nnx.Module):
     attend = self._shared_prefix_attend(attn_mask.astype(bool), pack, unpack, P, G)
 
     x = jnp.take(self.embed[...], pack(tokens), axis=0).astype(self.cfg.compute_dtype)
-    x = self._layer_scan(x, pack(positions), attend)
+    x = self._layer_scan(x, pack(positions), attend, lora_key)
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
     conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
@@ -534,15 +603,66 @@ def attends_packed_groups(
   return group_size > 1 and impl == "dense" and S * S <= 2 * group_size * row_len**2
 
 
-def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.Array]:
+# Whether the sampler's decode steps run on weights with the LoRA adapters merged in (W + s A B,
+# once per sampler call) rather than applying the adapters on the fly each step
+# (benchmarks/sampler.py --lora-rank measures both; docs/performance.md).
+DECODE_MERGES_LORA = True
+
+
+def decode_weights(
+  model: Transformer, merge_lora: bool | None = None
+) -> tuple[list[dict[str, jax.Array]], jax.Array]:
   """The weights of `Transformer.decode_step`, made once per sampler call: each decoder layer's
   weights as separate arrays (a copy of the layer weights) and the output projection as
   [vocab, hidden] (an untied head transposed: XLA's CPU matmul of a few rows reads the weight
-  faster as the product's transposed right operand)."""
+  faster as the product's transposed right operand). With LoRA adapters, merge_lora (default
+  DECODE_MERGES_LORA) merges them into their weights (`merge_lora_weights`)."""
   stacked = model.layers.arrays()
+  if model.cfg.lora_rank and (DECODE_MERGES_LORA if merge_lora is None else merge_lora):
+    stacked = merge_lora_weights(model.cfg, stacked)
   layers = [{k: a[l] for k, a in stacked.items()} for l in range(model.cfg.num_layers)]
   w, tied = model.unembedding()
   return layers, (w if tied else w.T)
+
+
+def merge_lora_weights(cfg: ModelConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Stacked layer weights (`Layers.arrays`) with each adapted weight replaced by
+  W + (alpha / r) A B (in float32, stored in W's dtype) and the adapters dropped."""
+  out = {k: a for k, a in stacked.items() if not k.endswith((LORA_A, LORA_B))}
+  for name in cfg.lora_weights:
+    a, b, w = stacked[name + LORA_A], stacked[name + LORA_B], stacked[name]
+    a2 = a.reshape(a.shape[0], -1, a.shape[-1]).astype(jnp.float32)  # [L, in, r]
+    b2 = b.reshape(b.shape[0], b.shape[1], -1).astype(jnp.float32)  # [L, r, out]
+    delta = jnp.einsum("lir,lro->lio", a2, b2) * cfg.lora_scale
+    merged = w.astype(jnp.float32) + delta.reshape(w.shape)
+    out[name] = merged.astype(w.dtype)
+  return out
+
+
+def split_lora(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+  """(adapters, frozen base) of a policy state with LoRA adapters (`LoRAParam`), or
+  (params, None) without: what a run trains and what it only reads."""
+  adapters, base = nnx.split_state(params, LoRAParam, ...)
+  if not jax.tree.leaves(adapters):
+    return params, None
+  return adapters, base
+
+
+def lora_state(cfg: ModelConfig, seed: int = 0) -> nnx.State:
+  """Fresh LoRA adapters (A random, B zeros) for a model of `cfg`, seeded by `seed`."""
+  return _init_lora(cfg, jnp.int32(seed))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_lora(cfg: ModelConfig, seed: jax.Array):
+  # Only the adapters are outputs: XLA drops the base weights' initialisation.
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))), LoRAParam)
+
+
+def with_lora(cfg: ModelConfig, base: nnx.State, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params) of a model of `cfg` (LoRA on) from the state of its base model
+  (`cfg.without_lora()`) and fresh adapters: the base's arrays are shared, not copied."""
+  return abstract_graphdef(cfg), nnx.merge_state(base, lora_state(cfg, seed))
 
 
 @functools.partial(jax.jit, static_argnums=0)
