@@ -178,11 +178,12 @@ def test_the_kl_reference_is_the_base_with_the_adapters_off():
   assert float(jnp.abs(logprobs(trained.policy(), b) - base_lp(trained.frozen, b)).max()) > 1e-3
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_sampler_decodes_with_the_current_adapters(merge, monkeypatch):
-  """Samples and their log-probs from a LoRA policy equal the merged base model's,
-  whether the decode steps merge the adapters or apply them on the fly."""
-  monkeypatch.setattr(model_lib, "DECODE_MERGES_LORA", merge)
+@pytest.mark.parametrize("merge,unroll", [(True, True), (False, True), (True, False)])
+def test_sampler_decodes_with_the_current_adapters(merge, unroll, monkeypatch):
+  """Samples and their log-probs from a LoRA policy equal the merged base model's, whether the
+  sampler merges the adapters or applies them at every step, in the unrolled (CPU) and the
+  scanned (GPU, TPU) decode."""
+  monkeypatch.setattr(model_lib, "SAMPLER_MERGES_LORA", merge)
   cfg = architectures.get("tiny", lora_rank=4, lora_alpha=8.0)
   base_graphdef, base_params = nnx.split(model_lib.create(cfg.without_lora(), 0))
   graphdef, params = model_lib.with_lora(cfg, base_params, seed=0)
@@ -191,9 +192,10 @@ def test_sampler_decodes_with_the_current_adapters(merge, monkeypatch):
   tokens, mask, _ = _tokens(B=2, T=6)
   sp = sampler.SamplingParams(max_new_tokens=5, temperature=1.0, stop_ids=(), pad_id=0)
   key = jax.random.key(0)
-  got = sampler.sample(graphdef, params, tokens, mask, key, sp)
-  want = sampler.sample(ref_graphdef, ref_params, tokens, mask, key, sp)
-  base = sampler.sample(base_graphdef, base_params, tokens, mask, key, sp)
+  run = lambda g, p: sampler.sample(g, p, tokens, mask, key, sp, unroll_layers=unroll)
+  got = run(graphdef, params)
+  want = run(ref_graphdef, ref_params)
+  base = run(base_graphdef, base_params)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
   assert not np.array_equal(got.tokens, base.tokens)  # the adapters changed the samples

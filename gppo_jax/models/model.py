@@ -603,26 +603,35 @@ def attends_packed_groups(
   return group_size > 1 and impl == "dense" and S * S <= 2 * group_size * row_len**2
 
 
-# Whether the sampler's decode steps run on weights with the LoRA adapters merged in (W + s A B,
-# once per sampler call) rather than applying the adapters on the fly each step
-# (benchmarks/sampler.py --lora-rank measures both; docs/performance.md).
-DECODE_MERGES_LORA = True
-
-
-def decode_weights(
-  model: Transformer, merge_lora: bool | None = None
-) -> tuple[list[dict[str, jax.Array]], jax.Array]:
+def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.Array]:
   """The weights of `Transformer.decode_step`, made once per sampler call: each decoder layer's
   weights as separate arrays (a copy of the layer weights) and the output projection as
   [vocab, hidden] (an untied head transposed: XLA's CPU matmul of a few rows reads the weight
-  faster as the product's transposed right operand). With LoRA adapters, merge_lora (default
-  DECODE_MERGES_LORA) merges them into their weights (`merge_lora_weights`)."""
+  faster as the product's transposed right operand)."""
   stacked = model.layers.arrays()
-  if model.cfg.lora_rank and (DECODE_MERGES_LORA if merge_lora is None else merge_lora):
-    stacked = merge_lora_weights(model.cfg, stacked)
   layers = [{k: a[l] for k, a in stacked.items()} for l in range(model.cfg.num_layers)]
   w, tied = model.unembedding()
   return layers, (w if tied else w.T)
+
+
+# Whether the sampler runs a LoRA policy as its base model with the adapters merged into the
+# weights (W + s A B, once per sampler call: `merge_lora`), rather than applying the adapters at
+# every step (benchmarks/sampler.py --lora-rank measures both; docs/performance.md).
+SAMPLER_MERGES_LORA = True
+
+
+def merge_lora(model: Transformer) -> Transformer:
+  """The base model of a LoRA policy with its adapters merged into their weights (a new copy of
+  those weights; the rest shared), computing what the policy computes up to rounding in the
+  weights' dtype. A model without adapters comes back as it is."""
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    return model
+  merged = merge_lora_weights(cfg, model.layers.arrays())
+  flat = dict(nnx.to_flat_state(split_lora(nnx.state(model))[1]))
+  for name in cfg.lora_weights:
+    flat[("layers", name)] = flat[("layers", name)].replace(merged[name])
+  return nnx.merge(abstract_graphdef(cfg.without_lora()), nnx.from_flat_state(flat))
 
 
 def merge_lora_weights(cfg: ModelConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
