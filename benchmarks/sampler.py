@@ -274,7 +274,7 @@ def lora_comparison(ours, rank: int, tokens, mask, sp, group: int, repeats: int)
     "lora_fly": compiled(graphdef, params, False),
     "base": compiled(base_graphdef, base_params, True),
   }
-  model_lib.SAMPLER_MERGES_LORA = True
+  model_lib.SAMPLER_MERGES_LORA = False  # the default
   for fn in methods.values():
     jax.block_until_ready(fn(0))
   times = {k: [] for k in methods}

@@ -817,6 +817,11 @@ REAL_RUN_VARIANTS = {
   "v5p64": dict(mesh=dict(data=1, fsdp=32, tensor=1), prompts=128, micro=1),
   # One host with 8 GPUs (H100 80 GiB / H200 141 GiB): FSDP over the 8 GPUs.
   "gpu8": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=64, micro=4),
+  # LoRA on small hardware (model.lora): rank-64 adapters on every projection, the frozen base in
+  # bfloat16. One 8-chip v5e host (16 GiB HBM each, FSDP over the 8) or one 80 GiB GPU; fewer
+  # rollouts per iteration, whose KV cache is then what limits them.
+  "v5e8_lora": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=16, micro=8, lora=64),
+  "gpu1_lora": dict(mesh=dict(data=1, fsdp=1, tensor=1), prompts=16, micro=16, lora=64),
 }
 REAL_RUN_ARGS: dict[str, bool] = {**dict.fromkeys(REAL_RUN_VARIANTS, False), "cell": True}
 
@@ -888,6 +893,11 @@ def real_run(
   c.train.shuffle = "rows"
   c.train.trim_bucket = 0
   c.optim.lr = 1e-6
+  if v.get("lora"):
+    c.model.lora.rank = v["lora"]
+    c.model.lora.alpha = 2.0 * v["lora"]
+    c.model.param_dtype = "bfloat16"  # the frozen base; the adapters stay float32
+    c.optim.lr = 1e-5  # adapters take larger steps than full fine-tuning
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0

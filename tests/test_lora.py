@@ -318,3 +318,47 @@ def test_model_config_rejects_bad_lora_values():
   for bad in (dict(lora_rank=-2), dict(lora_dropout=1.5), dict(lora_targets="attn")):
     with pytest.raises(ValueError, match="lora_"):
       dataclasses.replace(architectures.get("tiny"), **bad)
+
+
+# --- The planner ------------------------------------------------------------------------------
+
+
+def _qwen_math_7b(variant):
+  path = os.path.join(REPO, "configs", "qwen25_math_7b.py")
+  spec = importlib.util.spec_from_file_location("qwen_lora_plan", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variant)
+  config.model.path = None  # the named architecture's shapes (no weights needed)
+  return config
+
+
+@pytest.mark.parametrize(
+  "variant,platform,devices", [("v5e8_lora", "v5e", 8), ("gpu1_lora", "h100", 1)]
+)
+def test_plan_fits_qwen_math_7b_with_rank_64_lora_on_small_hardware(variant, platform, devices):
+  """Qwen2.5-Math-7B with rank-64 adapters fits one 8-chip v5e host and one 80 GB GPU: the
+  frozen bf16 base counted once, optimizer state for the adapters only; full fine-tuning of the
+  same rollouts does not fit."""
+  from gppo_jax import plan
+
+  c = _qwen_math_7b(variant)
+  assert c.model.lora.rank == 64 and c.model.param_dtype == "bfloat16"
+  config_lib.validate(c)
+  kw = dict(
+    device_memory_gb=plan.PLATFORM_MEMORY_GB[platform],
+    compile=False,
+    devices=jax.devices()[:devices],
+    backend=plan.PLATFORM_BACKEND[platform],
+  )
+  got = plan.plan(c, dict(c.mesh), **kw)
+  assert got.fits, plan.format_plan(got)
+  assert 0 < got.trainable_params < got.num_params / 40  # ~160M adapters of ~7.8B
+  shards = devices  # fsdp over every device: the base's bf16 bytes split that many ways
+  base_bytes = 2 * (got.num_params - got.trainable_params) / shards
+  assert base_bytes <= got.params < 1.1 * base_bytes
+  assert got.optimizer < 2 * 4 * got.trainable_params / shards * 1.1  # Adam of the adapters
+  full = _qwen_math_7b(variant)
+  full.model.lora.rank = 0
+  full.model.param_dtype = "float32"  # full fine-tuning: float32 master weights
+  assert not plan.plan(full, dict(full.mesh), **kw).fits

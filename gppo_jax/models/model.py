@@ -106,7 +106,7 @@ class Layers(nnx.Module):
       shape, axes = w.shape[1:], w.get_metadata()["out_sharding"][1:]
       fan_in = math.prod(shape[:c])
       a_shape, b_shape = (L, *shape[:c], r), (L, r, *shape[c:])
-      a_axes, b_axes = ("layers", *axes[:c], None), ("layers", None, *axes[c:])
+      a_axes, b_axes = ("layers", *axes[:c], "lora"), ("layers", "lora", *axes[c:])
       f32 = jnp.float32
       setattr(
         self, name + LORA_A, _param(rngs, a_shape, a_axes, f32, std=fan_in**-0.5, kind=LoRAParam)
@@ -615,9 +615,11 @@ def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.
 
 
 # Whether the sampler runs a LoRA policy as its base model with the adapters merged into the
-# weights (W + s A B, once per sampler call: `merge_lora`), rather than applying the adapters at
-# every step (benchmarks/sampler.py --lora-rank measures both; docs/performance.md).
-SAMPLER_MERGES_LORA = True
+# weights (W + s A B, once per sampler call: `merge_lora`) rather than applying them at every
+# step, as the trainer does. Off: merging measured no faster (benchmarks/sampler.py --lora-rank,
+# docs/performance.md), and it costs a copy of the adapted weights while sampling and, with a
+# 16-bit base, a rounding of W + s A B the trainer's log-probs do not share.
+SAMPLER_MERGES_LORA = False
 
 
 def merge_lora(model: Transformer) -> Transformer:
