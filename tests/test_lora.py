@@ -362,3 +362,62 @@ def test_plan_fits_qwen_math_7b_with_rank_64_lora_on_small_hardware(variant, pla
   full.model.lora.rank = 0
   full.model.param_dtype = "float32"  # full fine-tuning: float32 master weights
   assert not plan.plan(full, dict(full.mesh), **kw).fits
+
+
+# --- Learning --------------------------------------------------------------------------------
+
+
+def _learning_config(seed: int, lr: float, rank: int, cache_dir: str):
+  """The learning test's run (tests/test_train.py `learning_config`: a 60-step supervised warm
+  start, then 24 RL iterations on add1), with rank-`rank` LoRA on every projection."""
+  spec = importlib.util.spec_from_file_location("chi2_atomic", f"{REPO}/configs/chi2_atomic.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("smoke,task=add1")
+  c.seed = seed
+  c.warmstart.cache_dir = cache_dir
+  c.warmstart.target_accuracy = 1.0  # stop by steps, never by accuracy (see test_train.py)
+  c.warmstart.max_steps = 60
+  c.warmstart.eval_every = 60
+  c.warmstart.lr = 3e-4
+  c.warmstart.eval_size = 8
+  c.iterations = 24
+  c.rollout.prompts_per_iter = 32
+  c.rollout.group_size = 8
+  c.train.minibatches = 2
+  c.optim.lr = lr
+  c.eval.every = 24
+  c.eval.k = 0
+  c.eval.num_problems = 8
+  c.checkpoint.every = 100
+  c.model.lora.rank = rank
+  c.model.lora.alpha = 2.0 * max(rank, 1)
+  return c
+
+
+def _rewards(c, workdir) -> list[float]:
+  train.train_and_evaluate(c, str(workdir))
+  lines = [json.loads(x) for x in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [x["reward/mean"] for x in lines if "reward/mean" in x]
+
+
+LORA_LEARNING_MARGIN = 0.1
+
+
+@pytest.mark.user_xla
+def test_lora_policy_learns_on_a_tiny_task(tmp_path):
+  """Rank-8 LoRA (alpha 16, lr 3e-3) on the warm-started char policy beats the same run with
+  the policy frozen: mean reward over the last 4 iterations, paired (same prompts and sampling
+  keys), by LORA_LEARNING_MARGIN.
+
+  Measured gain (trained minus frozen, last 4 iterations), chi2-atomic, seeds 0-5, 8 host
+  devices with the test suite's XLA flags: 0.25-0.38 (frozen reward 0.10-0.38). lr 1e-2 did
+  not learn (seed 0: -0.04)."""
+  cache = str(tmp_path / "warmstart")
+  frozen_cfg = _learning_config(0, 1e-30, 0, cache)
+  frozen_cfg.train.minibatches = 1  # a no-op update: only its rollouts are read
+  frozen = _rewards(frozen_cfg, tmp_path / "frozen")
+  trained = _rewards(_learning_config(0, 3e-3, 8, cache), tmp_path / "lora")
+  assert len(trained) == len(frozen) == 24
+  gain = np.mean(trained[-4:]) - np.mean(frozen[-4:])
+  assert gain > LORA_LEARNING_MARGIN, (gain, trained, frozen)
