@@ -421,3 +421,19 @@ def test_lora_policy_learns_on_a_tiny_task(tmp_path):
   assert len(trained) == len(frozen) == 24
   gain = np.mean(trained[-4:]) - np.mean(frozen[-4:])
   assert gain > LORA_LEARNING_MARGIN, (gain, trained, frozen)
+
+
+def test_a_restore_gets_the_warm_started_base_back(tmp_path):
+  """A checkpoint holds only the adapters, so a resume or an evaluation that skips the warm
+  start (warm_start=False) still gets the warm-started base, not a random one."""
+  c = _smoke_config()
+  c.warmstart.cache_dir = str(tmp_path / "cache")
+  c.model.lora.rank = 4
+  _, warm, *_ = experiment.build_policy(c, say=lambda *_: None, warm_start=True)
+  _, resumed, *_ = experiment.build_policy(c, say=lambda *_: None, warm_start=False)
+  c.model.lora.rank = 0
+  _, random_init, *_ = experiment.build_policy(c, say=lambda *_: None, warm_start=False)
+  base = model_lib.split_lora(warm)[1]
+  jax.tree.map(np.testing.assert_array_equal, model_lib.split_lora(resumed)[1], base)
+  pairs = zip(jax.tree.leaves(random_init), jax.tree.leaves(base), strict=True)
+  assert not all(np.array_equal(a, b) for a, b in pairs)

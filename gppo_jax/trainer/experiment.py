@@ -172,7 +172,8 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   """(graphdef, params, model_cfg, env, info) for the config: built-in task or HF folder + data.
 
   With `mesh`, Hugging Face weights go straight to their sharded layout as they are read. With
-  `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway)."""
+  `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway),
+  except with LoRA, whose frozen base a restore does not replace."""
   overrides = config_lib.model_overrides(config)
   if config.model.path is not None:
     from gppo_jax.models import hf_checkpoint
@@ -206,7 +207,9 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   graphdef, params = nnx.split(model)
   say(f"policy: architecture {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}
-  if config.warmstart.enabled and warm_start:
+  # LoRA's base is in no checkpoint: a restore replaces only the adapters, so the base is always
+  # warm-started (from the warm start's cache after the first time).
+  if config.warmstart.enabled and (warm_start or cfg.lora_rank):
     from gppo_jax.trainer import warmstart
 
     params, info = warmstart.warm_start(
