@@ -485,7 +485,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   stack.enter_context(writer.redirect_logging(log))
   if restored is None:
     writer.write(0, run.history["initial_eval"])
-  param_counts = _param_counts(state)  # logged once, with the run's first iteration
+  # Logged once, with the run's first iteration (a resumed run logged them before).
+  param_counts = _param_counts(state) if restored is None else {}
 
   profile = _ProfileWindow(config.get("profile"), workdir)
   stack.callback(profile.close)

@@ -305,6 +305,7 @@ def test_lora_run_checkpoints_adapters_and_resumes(tmp_path):
   train.train_and_evaluate(c, wd)
   lines2 = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
   assert [x["step"] for x in lines2[len(lines) :]] == [3]
+  assert sum("params/trainable" in x for x in lines2) == 1  # not again on resuming
   assert lines2[-1]["optim/steps"] == 3 * c.train.epochs * c.train.minibatches
   assert np.isfinite(lines2[-1]["loss/total"]) and lines2[-1]["loss/kl_ref"] > 0
   report = evaluate.evaluate_checkpoint(c, wd)
