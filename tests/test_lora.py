@@ -90,8 +90,7 @@ def _merged_base(cfg, base_graphdef, params):
 )
 def test_adapters_add_their_low_rank_term_to_the_targeted_projections(targets, remat, scan):
   """A fresh adapter (B = 0) leaves the base's outputs unchanged; random adapters give the base
-  model with W + (alpha / r) A B, under each remat plan, scanned or unrolled, and their gradient
-  is that of the merged weights' chain rule (checked through the forward only here)."""
+  model with W + (alpha / r) A B, under each remat plan, scanned or unrolled."""
   cfg = architectures.get(
     "tiny", lora_rank=3, lora_alpha=6.0, lora_targets=targets, remat=remat, scan_layers=scan
   )
@@ -199,6 +198,32 @@ def test_sampler_decodes_with_the_current_adapters(merge, unroll, monkeypatch):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
   assert not np.array_equal(got.tokens, base.tokens)  # the adapters changed the samples
+
+
+def test_continuous_engine_samples_with_the_adapters():
+  """The paged engine (rollout.engine="continuous") applies the adapters too: it samples what
+  the fixed-batch sampler does on the same LoRA policy."""
+  from gppo_jax.generation import continuous
+
+  cfg = architectures.get("tiny", lora_rank=4, lora_alpha=8.0)
+  base_graphdef, base_params = nnx.split(model_lib.create(cfg.without_lora(), 0))
+  graphdef, params = model_lib.with_lora(cfg, base_params, seed=0)
+  params = _random_adapters(params, scale=0.3)
+  prompts = [[5, 9, 11], [7, 3, 21, 30, 8]]
+  sp = sampler.SamplingParams(max_new_tokens=6, stop_ids=(), pad_id=0)
+  key = jax.random.key(2)
+  engine = continuous.EngineConfig(slots=4, page_size=4, chunk=3)
+  got = continuous.ContinuousSampler(graphdef, sp, engine)(params, prompts, key, group_size=2)
+  base = continuous.ContinuousSampler(base_graphdef, sp, engine)(
+    base_params, prompts, key, group_size=2
+  )
+  P = max(map(len, prompts))
+  tokens, mask = sampler.left_pad([p for p in prompts for _ in range(2)], pad_id=0, length=P)
+  keys = sampler.row_keys(key, np.repeat(np.arange(len(prompts)), 2), np.tile(np.arange(2), 2))
+  want = sampler.sample(graphdef, params, tokens, mask, keys, sp, group_size=2)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  assert not np.array_equal(got.tokens, base.tokens)
 
 
 # --- Export: the merged Hugging Face folder and the PEFT adapter folder ------------------------
