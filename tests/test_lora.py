@@ -464,3 +464,45 @@ def test_a_restore_gets_the_warm_started_base_back(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, model_lib.split_lora(resumed)[1], base)
   pairs = zip(jax.tree.leaves(random_init), jax.tree.leaves(base), strict=True)
   assert not all(np.array_equal(a, b) for a, b in pairs)
+
+
+def test_lora_run_on_a_hf_folder_exports_merged_and_peft_folders(tmp_path):
+  """A LoRA run on a Hugging Face folder writes both exports, and they agree: transformers on
+  the merged folder and PEFT's adapters on the base give the same logits, away from the base."""
+  peft = pytest.importorskip("peft")
+  transformers = pytest.importorskip("transformers")
+  from test_train_hf import make_hf_folder
+
+  model_dir = str(tmp_path / "model")
+  make_hf_folder(model_dir)
+  rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4)] * 2]
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  c = _smoke_config()
+  c.model.path = model_dir
+  c.model.export_hf = True
+  c.model.lora.rank = 4
+  c.model.lora.targets = "q|v|o|down"
+  c.data.train_path = c.data.eval_path = str(data)
+  c.data.verifier_workers = 1
+  c.rollout.prompts_per_iter = 4
+  c.rollout.max_new_tokens = 8
+  c.optim.lr = 1e-2  # adapters that visibly move in two iterations ...
+  c.loss.entropy_coef = 0.1  # ... even where every reward is 0 (a random policy)
+  c.iterations = 2
+  c.eval.k = 0
+  wd = tmp_path / "run"
+  train.train_and_evaluate(c, str(wd))
+  tokens, mask, positions = _tokens(T=7, vocab=300)
+  m = np.asarray(mask)
+  load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(
+    p, attn_implementation="eager"
+  ).eval()
+  merged = _hf_logits(load(wd / "hf_export"), tokens, mask, positions)[m]
+  base = load(model_dir)
+  base_logits = _hf_logits(base, tokens, mask, positions)[m]
+  adapted = peft.PeftModel.from_pretrained(base, str(wd / "peft_adapter")).eval()
+  np.testing.assert_allclose(_hf_logits(adapted, tokens, mask, positions)[m], merged, atol=1e-4)
+  assert np.abs(merged - base_logits).max() > 1e-3
+  config = json.loads((wd / "peft_adapter" / hf_checkpoint.PEFT_CONFIG_FILE).read_text())
+  assert sorted(config["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
