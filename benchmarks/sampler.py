@@ -22,6 +22,12 @@ overhead dominates, and its vocab-heavy cost split resembles small RL policies (
   python benchmarks/sampler.py --batch 64 --group 8 --nocache 0    # RL layout: 8 prompts x 8
   python benchmarks/sampler.py --new 1024 --nocache 0 --repeats 2
   python benchmarks/sampler.py --new 4096 --compile-only 1        # compile time alone
+  python benchmarks/sampler.py --lora-rank 16 --nocache 0         # LoRA: merged vs on the fly
+
+--lora-rank R > 0 times only ours, with rank-R adapters on every projection: `lora_merged`
+(the sampler runs on W + s A B, merged once per call: model.SAMPLER_MERGES_LORA)
+against `lora_fly` (the adapters applied at every step) and `base` (no adapters), and prints
+the ratio lora_merged / lora_fly of their tokens/s.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -131,6 +138,7 @@ def main():
   ap.add_argument("--group", type=int, default=1, help="rows per prompt (G samples of a prompt)")
   ap.add_argument("--scan", type=int, default=0, help="also time the layer scan decode (0/1)")
   ap.add_argument("--compile-only", type=int, default=0, help="only time ours' compile (0/1)")
+  ap.add_argument("--lora-rank", type=int, default=0, help="LoRA: merged vs on the fly (rank)")
   args = ap.parse_args()
   # The trainer's host-memory setting (experiment.keep_cpu_memory), for both sides of the
   # comparison: they share this process. GPPO_CPU_MEMORY=release: glibc's and JAX's defaults.
@@ -172,6 +180,8 @@ def main():
       )  # fmt: skip
     return out[:, P:]
 
+  if args.lora_rank:
+    return lora_comparison(ours, args.lora_rank, jt, jm, sp, G, args.repeats)
   methods = {"ours": compiled_sampler("ours"), "hf": run_hf}
   if args.compile_only:
     print(json.dumps(dict(benchmark="sampler_compile", batch=B, group=G, prompt=P, new_tokens=N,
@@ -238,6 +248,62 @@ def main():
   )  # fmt: skip
   print(f"host memory: {'kept for reuse' if kept else 'glibc and JAX defaults'} (GPPO_CPU_MEMORY)")
   print(json.dumps(result))
+
+
+def lora_comparison(ours, rank: int, tokens, mask, sp, group: int, repeats: int) -> None:
+  """Tokens/s of the sampler on `ours` with rank-`rank` adapters on every projection, merged
+  into the decode weights once per call vs applied at every step, and without adapters."""
+  B, N = tokens.shape[0], sp.max_new_tokens
+  base_graphdef, base_params = nnx.split(ours)
+  cfg = dataclasses.replace(ours.cfg, lora_rank=rank, lora_alpha=2.0 * rank)
+  graphdef, params = model_lib.with_lora(cfg, base_params, seed=0)
+  adapters, base = model_lib.split_lora(params)
+  leaves, tree = jax.tree.flatten(adapters)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  noise = [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+  params = nnx.merge_state(base, jax.tree.unflatten(tree, noise))  # B != 0: adapters matter
+
+  def compiled(g, p, merge):
+    model_lib.SAMPLER_MERGES_LORA = merge  # read while tracing
+    fn = jax.jit(sampler.sample, static_argnums=(0, 5), static_argnames=("group_size",))
+    exe = fn.lower(g, p, tokens, mask, jax.random.key(0), sp, group_size=group).compile()
+    return lambda r: exe(p, tokens, mask, jax.random.key(r)).tokens
+
+  methods = {
+    "lora_merged": compiled(graphdef, params, True),
+    "lora_fly": compiled(graphdef, params, False),
+    "base": compiled(base_graphdef, base_params, True),
+  }
+  model_lib.SAMPLER_MERGES_LORA = False  # the default
+  for fn in methods.values():
+    jax.block_until_ready(fn(0))
+  times = {k: [] for k in methods}
+  for r in range(1, repeats + 1):
+    for name, fn in methods.items():
+      jax.block_until_ready(fn(-r))  # an untimed call of its own right before the timed one
+      t = time.perf_counter()
+      jax.block_until_ready(fn(r))
+      times[name].append(time.perf_counter() - t)
+  tps = {k: B * N / statistics.median(v) for k, v in times.items()}
+  rounds = [m / f for m, f in zip(times["lora_fly"], times["lora_merged"], strict=True)]
+  for k, v in times.items():
+    print(f"  {k:12s} {tps[k]:9.1f} new tok/s  (median of {len(v)}: {min(v):.3f}-{max(v):.3f}s)")
+  ratio = tps["lora_merged"] / tps["lora_fly"]
+  print(
+    f"lora_merged / lora_fly = {ratio:.2f}x (rounds {min(rounds):.2f}-{max(rounds):.2f}); "
+    f"base / lora_merged = {tps['base'] / tps['lora_merged']:.2f}x  (rank {rank}, batch {B}, "
+    f"{N} new tokens, backend {jax.default_backend()})"
+  )
+  print(
+    json.dumps(
+      dict(
+        benchmark="sampler_lora", rank=rank, batch=B, new_tokens=N,
+        backend=jax.default_backend(), merged_vs_fly=round(ratio, 3),
+        merged_vs_fly_rounds=[round(x, 3) for x in rounds],
+        tokens_per_s={k: round(v, 1) for k, v in tps.items()},
+      )
+    )
+  )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@
   python -m gppo_jax.train --config=configs/qwen25_math_7b.py:gpu8,cell=dapo
   python -m gppo_jax.plan --config=configs/qwen25_math_7b.py:gpu8 --platform=h200
   python -m gppo_jax.evaluate --config=configs/qwen25_math_7b.py:gpu8   # the base model itself
+  python -m gppo_jax.plan --config=configs/qwen25_math_7b.py:v5e8_lora --platform=v5e   # LoRA
+  python -m gppo_jax.plan --config=configs/qwen25_math_7b.py:gpu1_lora --platform=h100
 
-The argument: the hardware variant (v5p64 | gpu8; default v5p64), `cell=NAME` (any of the 12
+The argument: the hardware variant (v5p64 | gpu8, or with rank-64 LoRA on a bf16 base
+v5e8_lora | gpu1_lora; default v5p64), `cell=NAME` (any of the 12
 grid cells, e.g. kl_atomic, tv_mc, chi2_binary, or a preset: ppo, grpo, dapo, dapo_kl, dppo,
 dppo_kl, ripo; default kl_atomic) and `smoke`, e.g. `:gpu8,cell=tv_atomic,smoke`. Trained on
 DAPO-Math-17k, evaluated on MATH-500, AIME 2024/2025, AMC 2023, Minerva Math and OlympiadBench;

@@ -138,6 +138,16 @@ def base(
   # "xla"; "ynnpack" (XLA's default). No effect on GPU and TPU. docs/performance.md.
   c.model.cpu_matmul = "auto"
   c.model.export_hf = False  # also write a Hugging Face folder at the end of training
+  # LoRA: rank 0 = off (full fine-tuning). With rank r > 0 only adapters A [in, r], B [r, out] on
+  # the projections whose names (q, k, v, o, gate, up, down) fully match the regular expression
+  # `targets` are trained: y = x W + (alpha / r) dropout(x) A B. The base weights stay frozen
+  # (in model.param_dtype) and out of the optimizer state and checkpoints; the KL reference is
+  # the base with the adapters off. Export writes the merged model and a PEFT adapter folder.
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 16.0
+  c.model.lora.targets = "q|k|v|o|gate|up|down"
+  c.model.lora.dropout = 0.0
 
   # Supervised warm start of the built-in policy (cached; skipped for model.path).
   c.warmstart = ml_collections.ConfigDict()
@@ -468,7 +478,7 @@ def _valid_seeds(x) -> bool:
 
 
 # Sections that configs built before them may lack: their fields are then not checked.
-OPTIONAL_SECTIONS = ("profile",)
+OPTIONAL_SECTIONS = ("profile", "model.lora")
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -513,6 +523,17 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("model.scan_layers", Flag()),
     ("model.cpu_matmul", OneOf(sharding.CPU_MATMULS)),
     ("model.export_hf", Flag()),
+    ("model.lora.rank", Int(0)),
+    ("model.lora.alpha", Range(0, lo_open=True, note=" (the adapters' scale is alpha / rank)")),
+    (
+      "model.lora.targets",
+      Satisfies(
+        lambda x: architectures.lora_targets_problem(x) is None,
+        "a regular expression fully matching one or more of the projections "
+        + ", ".join(architectures.LORA_PROJECTIONS),
+      ),
+    ),
+    ("model.lora.dropout", Range(0, 1, hi_open=True)),
     # Warm start of the built-in policy.
     ("warmstart.enabled", Flag()),
     ("warmstart.target_accuracy", Range(0, 1)),
@@ -609,15 +630,16 @@ def _field_problems(c: ml_collections.ConfigDict) -> list[str]:
   """`field=value: must be ...` for each field its rule rejects."""
   problems = []
   for field, rule in _field_rules(c):
-    section = field.split(".")[0]
-    if section in OPTIONAL_SECTIONS and section not in c:
-      continue
+    parts = field.split(".")
     value = c
-    for part in field.split("."):
+    for depth, part in enumerate(parts):
+      if part not in value and ".".join(parts[: depth + 1]) in OPTIONAL_SECTIONS:
+        break
       value = value[part]
-    want = rule.want(value)
-    if want is not None:
-      problems.append(f"{field}={value!r}: must be {want}")
+    else:
+      want = rule.want(value)
+      if want is not None:
+        problems.append(f"{field}={value!r}: must be {want}")
   return problems
 
 
@@ -770,6 +792,20 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict[str, Any]:
     remat=m.get("remat", "auto"),
     attention=m.get("attention", "auto"),
     scan_layers=m.get("scan_layers", True),
+    **lora_overrides(c),
+  )
+
+
+def lora_overrides(c: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ModelConfig LoRA fields of config model.lora (none for configs without the section)."""
+  lora = c.model.get("lora")
+  if lora is None:
+    return {}
+  return dict(
+    lora_rank=int(lora.rank),
+    lora_alpha=float(lora.alpha),
+    lora_targets=lora.targets,
+    lora_dropout=float(lora.dropout),
   )
 
 
@@ -798,6 +834,11 @@ REAL_RUN_VARIANTS = {
   "v5p64": dict(mesh=dict(data=1, fsdp=32, tensor=1), prompts=128, micro=1),
   # One host with 8 GPUs (H100 80 GiB / H200 141 GiB): FSDP over the 8 GPUs.
   "gpu8": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=64, micro=4),
+  # LoRA on small hardware (model.lora): rank-64 adapters on every projection, the frozen base in
+  # bfloat16. One 8-chip v5e host (16 GiB HBM each, FSDP over the 8) or one 80 GiB GPU; fewer
+  # rollouts per iteration, whose KV cache is then what limits them.
+  "v5e8_lora": dict(mesh=dict(data=1, fsdp=8, tensor=1), prompts=16, micro=8, lora=64),
+  "gpu1_lora": dict(mesh=dict(data=1, fsdp=1, tensor=1), prompts=16, micro=16, lora=64),
 }
 REAL_RUN_ARGS: dict[str, bool] = {**dict.fromkeys(REAL_RUN_VARIANTS, False), "cell": True}
 
@@ -869,6 +910,11 @@ def real_run(
   c.train.shuffle = "rows"
   c.train.trim_bucket = 0
   c.optim.lr = 1e-6
+  if v.get("lora"):
+    c.model.lora.rank = v["lora"]
+    c.model.lora.alpha = 2.0 * v["lora"]
+    c.model.param_dtype = "bfloat16"  # the frozen base; the adapters stay float32
+    c.optim.lr = 1e-5  # adapters take larger steps than full fine-tuning
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0

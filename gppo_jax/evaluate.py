@@ -135,7 +135,9 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
       # Restored straight onto the mesh: a policy too big for one device never lands on one.
       abstract = experiment.abstract_state(params, tx, mesh)
       step, restored, _ = checkpointing.restore_latest(mngr, abstract, set_aside=False)
-      params = restored.params
+      # The trained parameters over the initial policy: with LoRA the checkpoint holds only
+      # the adapters, and the base is the initial policy's.
+      params = nnx.merge_state(params, restored.params)
     param_sh = partitioning.state_shardings(params, mesh, partitioning.DEFAULT_RULES)
     params = jax.device_put(params, param_sh)
     max_new = experiment.sampling_params(config, env, stop_ids=(), pad_id=0).max_new_tokens

@@ -81,6 +81,7 @@ class MemoryPlan:
   device_memory: int
   source: str  # "compiled" | "analytic"
   notes: tuple[str, ...] = ()
+  trainable_params: int | None = None  # with LoRA the adapters' count (None: all num_params)
 
   @property
   def peak(self) -> int:
@@ -253,7 +254,9 @@ def analytic_activation_bytes(
   if remat == "none":
     saved = cfg.num_layers * (layer_work + attn) // 2
   head = rows * min(128, seq) * cfg.vocab_size * 4 * 3
-  grads = num_params * np.dtype(cfg.params_dtype).itemsize // (mesh.size // mesh.shape["data"])
+  # num_params: the trained ones (with LoRA the adapters, float32 whatever the base's dtype).
+  item = 4 if cfg.lora_rank else np.dtype(cfg.params_dtype).itemsize
+  grads = num_params * item // (mesh.size // mesh.shape["data"])
   return int(saved + layer_work + attn + head + 2 * grads)
 
 
@@ -304,6 +307,14 @@ def plan(
   optimizer = per_device_bytes(state.opt_state, sh.opt_state)
   batch_bytes = per_device_bytes(batch, sharding.batch_shardings(batch, mesh))
   copies = 1 + (config.loss.kl_coef > 0) + config.rollout.get("staleness", 0)
+  # LoRA: the frozen base once, in its dtype; the copies below (KL reference, lagging policies)
+  # and the optimizer state are of the adapters only.
+  frozen = per_device_bytes(state.frozen, sh.frozen) if state.frozen is not None else 0
+  if frozen:
+    notes.append(
+      f"LoRA rank {cfg.lora_rank}: the frozen base ({cfg.param_dtype}) once; optimizer state "
+      "and parameter copies of the adapters only"
+    )
   if config.loss.kl_coef > 0:
     notes.append("kl_coef > 0: a frozen reference copy of the parameters is counted in params")
   if config.rollout.get("staleness", 0):
@@ -311,14 +322,15 @@ def plan(
       f"rollout.staleness={config.rollout.staleness}: the lagging parameter copies are counted "
       "in params"
     )
-  params *= copies
+  params = params * copies + frozen
   resident = params + optimizer
   kv = kv_cache_bytes(cfg, mesh, n, p + r)
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
   decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
   source = "analytic"
-  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-  activations = analytic_activation_bytes(cfg, mesh, spec, n, p + r - 1, num_params, backend)
+  trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+  num_params = trainable + sum(math.prod(x.shape) for x in jax.tree.leaves(state.frozen))
+  activations = analytic_activation_bytes(cfg, mesh, spec, n, p + r - 1, trainable, backend)
   update_peak = resident + batch_bytes + activations
   if compile:
     try:
@@ -344,6 +356,7 @@ def plan(
     device_memory=int(device_memory_gb * GIB),
     source=source,
     notes=tuple(notes),
+    trainable_params=trainable if frozen else None,
   )
 
 
@@ -362,8 +375,12 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
   ]
   mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
   lines = [title] if title else []
+  trained = ""
+  if p.trainable_params is not None:
+    trained = f" ({p.trainable_params / 1e6:.1f}M trained: LoRA)"
   lines.append(
     f"mesh {mesh} ({math.prod(p.mesh.values())} devices), {p.num_params / 1e9:.3f}B params"
+    + trained
   )
   lines += [f"  {name:<34}{g(b)}" for name, b in rows]
   verdict = "FITS" if p.fits else "DOES NOT FIT"

@@ -126,7 +126,9 @@ class Run:
   update: Callable  # sharded jit of train_step.make_update_fn
   logprobs: Callable  # sharded jit of train_step.make_logprob_fn
   state_sh: Any  # the TrainState's shardings
-  ref_params: Any  # the frozen initial policy (KL penalty), or None
+  # The KL penalty's reference: the frozen initial policy, with LoRA the base with the adapters
+  # off (zero adapters beside the frozen base: no second copy of its weights); or None.
+  ref_params: Any
   diagnose: Callable | None  # diagnostics.make_diagnostics_fn, when diagnostics.every > 0
   rows: slice  # this host's rows of the global batch
   newest: int | None = None  # the newest checkpoint on disk
@@ -164,7 +166,8 @@ class Run:
       "config": self.config.to_json_best_effort(),
     }
     extras = {"behaviour": self.behaviour} if self.behaviour else None
-    checkpointing.save(self.mngr, iteration, state, meta, wait=wait, extras=extras)
+    # Without LoRA's frozen base: it is rebuilt from model.path or the warm start.
+    checkpointing.save(self.mngr, iteration, state.saved(), meta, wait=wait, extras=extras)
     self.newest = iteration
 
 
@@ -210,12 +213,11 @@ def _set_up(
     env=env,
     sampling=sampling,
     spec=spec,
-    sample_fn=_sample_fn(config, graphdef, state_sh.params, mesh),
+    sample_fn=_sample_fn(config, graphdef, state_sh.policy(), mesh),
     update=update,
-    logprobs=_jit_logprobs(graphdef, spec, state_sh.params, batch_sh),
+    logprobs=_jit_logprobs(graphdef, spec, state_sh.policy(), batch_sh),
     state_sh=state_sh,
-    # A copy: the update donates the state's buffers.
-    ref_params=jax.tree.map(jnp.copy, state.params) if spec.use_ref_logp else None,
+    ref_params=_reference(state) if spec.use_ref_logp else None,
     rows=sharding.process_rows(r.prompts_per_iter * r.group_size, mesh),
     diagnose=_diagnostics_fn(config, graphdef, spec),
     history={"warm_start": warm_info},
@@ -223,6 +225,14 @@ def _set_up(
   if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
     run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
   return run, state
+
+
+def _reference(state: train_step.TrainState) -> Any:
+  """The KL reference's parameters: a copy of the initial policy (the update donates the state's
+  buffers), or with LoRA zero adapters, to be merged with the frozen base when used."""
+  if state.frozen is None:
+    return jax.tree.map(jnp.copy, state.params)
+  return jax.tree.map(jnp.zeros_like, state.params)
 
 
 # The compiled functions of a run, reused by the next run of the same shapes in this process.
@@ -327,7 +337,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     run.config,
     run.env,
     run.sample_fn,
-    behaviour,
+    state.policy(behaviour),
     rollout_key,
     run.sampling,
     prompt_len=run.spec.prompt_len,
@@ -350,10 +360,12 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     on_devices = run.to_devices(batch)
     if run.config.rollout.recompute_logprobs:  # the behaviour's, by the trainer's forward pass
       sampled = batch.logq
-      batch = batch.replace(logq=sharding.to_host(run.logprobs(behaviour, on_devices)))
+      logq = run.logprobs(state.policy(behaviour), on_devices)
+      batch = batch.replace(logq=sharding.to_host(logq))
       batch = _correct_mismatch(run.config.rollout, batch, sampled, metrics)
     if run.ref_params is not None:
-      batch = batch.replace(ref_logp=sharding.to_host(run.logprobs(run.ref_params, on_devices)))
+      ref_logp = run.logprobs(state.policy(run.ref_params), on_devices)
+      batch = batch.replace(ref_logp=sharding.to_host(ref_logp))
   t2 = time.perf_counter()
   on_devices = run.to_devices(batch)
   every = run.config.diagnostics.every
@@ -366,7 +378,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   if diagnose and run.behaviour:
     # Stale rollouts: the learner already differs from the behaviour before its first step. The
     # same figures at the start of the update, as diag_start/... (on-policy they are all zero).
-    start = jax.device_get(run.diagnose(behaviour, state.params, on_devices))
+    start = jax.device_get(run.diagnose(state.policy(behaviour), state.policy(), on_devices))
     metrics.update({"diag_start/" + k.split("/", 1)[1]: v for k, v in start.items()})
   state, upd = run.update(state, on_devices, update_key)
   if run.behaviour:
@@ -376,7 +388,9 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   check_finite(state, metrics, batch.adv, iteration=iteration + 1, newest=run.newest)
   if diagnose:
     # The policy after the update against the one that sampled the batch, on the batch's tokens.
-    metrics.update(jax.device_get(run.diagnose(behaviour, state.params, on_devices)))
+    metrics.update(
+      jax.device_get(run.diagnose(state.policy(behaviour), state.policy(), on_devices))
+    )
     metrics["time/diagnostics_s"] = time.perf_counter() - t3
   metrics.update(
     {
@@ -437,7 +451,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     )
   log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)
-  abstract = sharding.abstract_like(state, run.state_sh)
+  abstract = sharding.abstract_like(state.saved(), run.state_sh.saved())
   extras = None
   if run.behaviour:
     extras = {"behaviour": [abstract.params] * len(run.behaviour)}
@@ -446,13 +460,17 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   if restored is not None:
     if extras:
       restored, run.behaviour = restored["state"], list(restored["behaviour"])
-    state, start, run.newest = restored, int(meta["iteration"]), restored_step
+    state, start, run.newest = (
+      restored.with_frozen(state.frozen),
+      int(meta["iteration"]),
+      restored_step,
+    )
     run.env.restore(meta["env"])
     run.history = meta.get("history", run.history)
     log.info("resumed from %s at iteration %d/%d", run.mngr.directory, start, config.iterations)
   else:
     log.info("evaluating the initial policy ...")
-    run.history["initial_eval"] = run.evaluate(state.params)
+    run.history["initial_eval"] = run.evaluate(state.policy())
     log.info("initial policy: %s", _fmt(run.history["initial_eval"]))
   # Logs past the restored step belong to iterations that are about to be replayed.
   writer = stack.enter_context(
@@ -466,6 +484,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   stack.enter_context(writer.redirect_logging(log))
   if restored is None:
     writer.write(0, run.history["initial_eval"])
+  # Logged once, with the run's first iteration (a resumed run logged them before).
+  param_counts = _param_counts(state) if restored is None else {}
 
   profile = _ProfileWindow(config.get("profile"), workdir)
   stack.callback(profile.close)
@@ -479,10 +499,12 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     profile.begin(iteration + 1)
     t0 = time.perf_counter()
     state, metrics = _iteration(run, state, iteration)
+    metrics.update(param_counts)
+    param_counts = {}
     done = iteration + 1
     if done % config.eval.every == 0 or done == config.iterations:
       t_eval = time.perf_counter()
-      run.history["last_eval"] = last = run.evaluate(state.params)
+      run.history["last_eval"] = last = run.evaluate(state.policy())
       run.history.setdefault("evals", []).append({"iteration": done, **last})
       metrics.update(last, **{"time/eval_s": time.perf_counter() - t_eval})
       log.info("iteration %d: %s", done, _fmt(last))
@@ -519,14 +541,27 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   return _finish(run, t_start, done)
 
 
+def _param_counts(state: train_step.TrainState) -> dict[str, float]:
+  """params/trainable (what the optimizer updates: with LoRA the adapters) and params/total."""
+  count = lambda tree: float(sum(x.size for x in jax.tree.leaves(tree)))
+  trainable = count(state.params)
+  return {"params/trainable": trainable, "params/total": trainable + count(state.frozen)}
+
+
 def _export_hf(run: Run, state) -> None:
   from gppo_jax.models import hf_checkpoint
 
-  params = sharding.to_host(state.params)  # collective on multi-host: every process calls it
+  params = sharding.to_host(state.policy())  # collective on multi-host: every process calls it
   if jax.process_index() == 0:
     out_dir = os.path.join(run.workdir, "hf_export")
-    hf_checkpoint.save_model(nnx.merge(run.graphdef, params), out_dir, source=run.config.model.path)
+    model = nnx.merge(run.graphdef, params)
+    source = run.config.model.path
+    hf_checkpoint.save_model(model, out_dir, source=source)  # LoRA: the adapters merged in
     log.info("exported the trained policy to %s", out_dir)
+    if model.cfg.lora_rank:
+      adapter_dir = os.path.join(run.workdir, "peft_adapter")
+      hf_checkpoint.save_peft_adapter(model, adapter_dir, base_model=source)
+      log.info("exported the LoRA adapters (PEFT format) to %s", adapter_dir)
 
 
 def _finish(run: Run, t_start: float, done: int) -> dict[str, Any]:

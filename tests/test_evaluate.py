@@ -120,7 +120,10 @@ def test_real_run_configs_take_the_cell_as_an_argument():
     config_lib.validate(load_config("qwen25_math_7b", f"cell={name},smoke"))
   with pytest.raises(errors.UnknownNameError, match=r"'kl_atomc'.*did you mean 'kl_atomic'"):
     load_config("qwen25_math_7b", "cell=kl_atomc")
-  with pytest.raises(errors.ConfigError, match="valid: smoke, task=NAME, v5p64, gpu8, cell=NAME"):
+  with pytest.raises(
+    errors.ConfigError,
+    match="valid: smoke, task=NAME, v5p64, gpu8, v5e8_lora, gpu1_lora, cell=NAME",
+  ):
     load_config("qwen25_math_7b", "cel=kl_mc")
   # Math and code configs evaluate their recipe's benchmarks, each named, with a kind.
   math = load_config("qwen25_math_7b")

@@ -441,6 +441,8 @@ def sample(
   against the scan decode.
   """
   model = nnx.merge(graphdef, params)
+  if model.cfg.lora_rank and model_lib.SAMPLER_MERGES_LORA:  # the adapters merged, once
+    model = model_lib.merge_lora(model)
   cfg = model.cfg
   if sampling.num_topk > cfg.vocab_size:
     raise ValueError(f"num_topk={sampling.num_topk} exceeds the vocabulary ({cfg.vocab_size})")

@@ -10,6 +10,7 @@ weight mapping lives in `hf_checkpoint.py`. Imports jax, never flax: nothing her
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,32 @@ REMAT_CHOICES = ("auto", *REMAT_POLICIES)  # = ModelConfig.remat's values
 # (`no_remat_bytes`) stay within this (docs/performance.md, Rematerialisation).
 # Earns its place: benchmarks/train_step.py tiny shape ~1.9x against "attention" scanned.
 CPU_NO_REMAT_MAX_BYTES = 1 << 30
+# LoRA: the projections an adapter may wrap (ModelConfig.lora_targets names them) -> the layer
+# weight each one is (model.Layers), in the order their dropout keys are folded in.
+LORA_PROJECTIONS = {
+  "q": "wq",
+  "k": "wk",
+  "v": "wv",
+  "o": "wo",
+  "gate": "w_gate",
+  "up": "w_up",
+  "down": "w_down",
+}
+LORA_ALL = "|".join(LORA_PROJECTIONS)
+
+
+def lora_targets_problem(targets) -> str | None:
+  """Why `targets` is not a LoRA target pattern (a regular expression fully matching at least
+  one of LORA_PROJECTIONS), or None when it is one."""
+  if not isinstance(targets, str):
+    return f"a regular expression over {', '.join(LORA_PROJECTIONS)}"
+  try:
+    pattern = re.compile(targets)
+  except re.error as e:
+    return f"a valid regular expression ({e})"
+  if not any(pattern.fullmatch(name) for name in LORA_PROJECTIONS):
+    return f"a regular expression fully matching one or more of {', '.join(LORA_PROJECTIONS)}"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +121,13 @@ class ModelConfig:
   # RoPE base of the local layers (Gemma 3: rope_local_base_freq, no scaling); None: rope_theta
   # and rope_scaling as the global layers.
   rope_local_theta: float | None = None
+  # LoRA (config model.lora): rank 0 = off. With rank r > 0 each projection whose name
+  # (LORA_PROJECTIONS: q, k, v, o, gate, up, down) fully matches the regular expression
+  # lora_targets gets adapters A [in, r] and B [r, out]: y = x W + (alpha / r) dropout(x) A B.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: str = LORA_ALL
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -125,6 +159,29 @@ class ModelConfig:
     rope_type = self.rope_params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
       raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"ModelConfig.lora_rank={self.lora_rank!r}: must be an integer >= 0")
+    if not 0 <= self.lora_dropout < 1:
+      raise ValueError(f"ModelConfig.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
+    if problem := lora_targets_problem(self.lora_targets):
+      raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: must be {problem}")
+
+  @property
+  def lora_weights(self) -> tuple[str, ...]:
+    """The layer weights (model.Layers names) that carry LoRA adapters; () when LoRA is off."""
+    if not self.lora_rank:
+      return ()
+    pattern = re.compile(self.lora_targets)
+    return tuple(w for name, w in LORA_PROJECTIONS.items() if pattern.fullmatch(name))
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / rank: the adapters' factor (0 when LoRA is off)."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+  def without_lora(self) -> ModelConfig:
+    """This configuration with LoRA off: the frozen base model's."""
+    return dataclasses.replace(self, lora_rank=0, lora_dropout=0.0)
 
   @property
   def attn_scale(self) -> float:

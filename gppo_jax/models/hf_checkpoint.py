@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gppo_jax import errors, files
+from gppo_jax.models import model as model_lib
 from gppo_jax.models import partitioning
 from gppo_jax.models import tokenizer as tokenizer_lib
 from gppo_jax.models.architectures import (
@@ -317,15 +318,24 @@ def load_model(
   *,
   mesh: Mesh | None = None,
   rules: partitioning.Rules = partitioning.DEFAULT_RULES,
+  lora_seed: int = 0,
   **overrides,
 ) -> Transformer:
   """A Transformer with the weights of a Hugging Face checkpoint folder.
 
   `overrides` replace ModelConfig fields (e.g. dtype="bfloat16", param_dtype="float32").
-  With `mesh`, each parameter is placed in its sharded layout as it is read.
+  With `mesh`, each parameter is placed in its sharded layout as it is read. With LoRA
+  (overrides lora_rank > 0) the folder's weights are the base and fresh adapters (seeded by
+  lora_seed) are added.
   """
   path = Path(path)
   cfg = model_config(path, **overrides)
+  if cfg.lora_rank:
+    base = load_model(path, mesh=mesh, rules=rules, **{**overrides, "lora_rank": 0})
+    graphdef, params = model_lib.with_lora(cfg, nnx.state(base), lora_seed)
+    if mesh is not None:
+      params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
+    return nnx.merge(graphdef, params)
   reader = SafetensorsReader(path)
   _check_unexpected(reader, cfg)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -374,12 +384,16 @@ def _parse_size(size: int | str) -> int:
 
 
 def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-  """(Hugging Face name, numpy tensor) pairs of the model's weights, in checkpoint order."""
+  """(Hugging Face name, numpy tensor) pairs of the model's weights, in checkpoint order. LoRA
+  adapters are merged into their weights (`model.merge_lora_weights`)."""
   cfg = model.cfg
   np_dtype = jnp.dtype(dtype or cfg.param_dtype)
-  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  flat = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  if cfg.lora_rank:
+    merged = model_lib.merge_lora_weights(cfg, model.layers.arrays())
+    flat.update({("layers", name): merged[name] for name in cfg.lora_weights})
   for key, spec in param_specs(cfg).items():
-    arr = np.asarray(jax.device_get(flat[key].get_value()))
+    arr = np.asarray(jax.device_get(flat[key]))
     if "{i}" in spec.hf:
       for i, name in enumerate(_hf_names(spec, cfg)):
         yield name, np.ascontiguousarray(spec.to_hf(arr[i], cfg).astype(np_dtype))
@@ -459,4 +473,67 @@ def save_model(
     eos = list(cfg.eos_token_ids)
     gen["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
     files.write_atomic(str(path / "generation_config.json"), json.dumps(gen, indent=2) + "\n")
+  return path
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA adapters in PEFT's format
+# --------------------------------------------------------------------------------------------
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+# Our adapted layer weights -> the Hugging Face module each one is (PEFT's target_modules).
+_PEFT_MODULES = {
+  "wq": "self_attn.q_proj",
+  "wk": "self_attn.k_proj",
+  "wv": "self_attn.v_proj",
+  "wo": "self_attn.o_proj",
+  "w_gate": "mlp.gate_proj",
+  "w_up": "mlp.up_proj",
+  "w_down": "mlp.down_proj",
+}
+
+
+def peft_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
+  """(PEFT name, float32 tensor) of each LoRA adapter: base_model.model.model.layers.{i}.
+  <module>.lora_A.weight [r, in] and .lora_B.weight [out, r], in/out flattened as the Hugging
+  Face weight [out, in] of that module is."""
+  cfg = model.cfg
+  stacked = model.layers.arrays()
+  for i in range(cfg.num_layers):
+    for name in cfg.lora_weights:
+      a = np.asarray(jax.device_get(stacked[name + model_lib.LORA_A][i]), np.float32)
+      b = np.asarray(jax.device_get(stacked[name + model_lib.LORA_B][i]), np.float32)
+      prefix = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[name]}"
+      yield prefix + ".lora_A.weight", np.ascontiguousarray(a.reshape(-1, cfg.lora_rank).T)
+      yield prefix + ".lora_B.weight", np.ascontiguousarray(b.reshape(cfg.lora_rank, -1).T)
+
+
+def save_peft_adapter(model: Transformer, path: str | Path, *, base_model: str | None = None):
+  """Writes the model's LoRA adapters as a PEFT adapter folder (adapter_config.json +
+  adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model
+  (`base_model`: its folder or hub name, recorded in the config). Returns the folder."""
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    raise ValueError("save_peft_adapter: the model has no LoRA adapters (lora_rank=0)")
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  save_file(dict(peft_tensors(model)), str(path / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+  config = {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": None if base_model is None else str(base_model),
+    "r": cfg.lora_rank,
+    "lora_alpha": cfg.lora_alpha,
+    "lora_dropout": cfg.lora_dropout,
+    "target_modules": sorted(_PEFT_MODULES[w].split(".")[-1] for w in cfg.lora_weights),
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "inference_mode": True,
+    "modules_to_save": None,
+  }
+  files.write_atomic(str(path / PEFT_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
   return path

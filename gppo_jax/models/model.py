@@ -45,17 +45,38 @@ from gppo_jax.models.architectures import (
 # --------------------------------------------------------------------------------------------
 
 
+class LoRAParam(nnx.Param):
+  """A LoRA adapter matrix (`Layers`): with LoRA on, the only parameters a run trains, carries
+  optimizer state for and checkpoints (`split_lora`)."""
+
+
 def _param(
-  rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal", std: float = 0.02
+  rngs: nnx.Rngs | None,
+  shape,
+  axes,
+  dtype,
+  init: str = "normal",
+  std: float = 0.02,
+  kind: type[nnx.Param] = nnx.Param,
 ) -> nnx.Param:
-  """An nnx.Param with logical axis names; placement is decided later by partitioning.py."""
+  """An nnx.Param (or `kind`) with logical axis names; placement is decided later by
+  partitioning.py."""
   if init == "normal":
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   elif init == "ones":
     value = jnp.ones(shape, jnp.float32)
   else:
     value = jnp.zeros(shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+  return kind(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"  # suffixes of a weight's adapters' names in `Layers`
+
+
+def contracted_axes(name: str) -> int:
+  """How many leading axes (after "layers") of layer weight `name` a projection contracts: the
+  output projection wo [heads, head_dim, embed] two, every other one."""
+  return 2 if name == "wo" else 1
 
 
 class Layers(nnx.Module):
@@ -88,6 +109,22 @@ class Layers(nnx.Module):
     self.w_gate = p((D, F), ("embed", "mlp"))
     self.w_up = p((D, F), ("embed", "mlp"))
     self.w_down = p((F, D), ("mlp", "embed"))
+    # LoRA adapters of the targeted weights W [*in, *out]: A [*in, r] (random, std
+    # 1/sqrt(fan-in)) and B [r, *out] (zeros, so that a fresh adapter leaves the model as it is),
+    # in float32 whatever the base's dtype (they are the trained, master weights).
+    r = cfg.lora_rank
+    for name in cfg.lora_weights:
+      w = getattr(self, name)
+      c = contracted_axes(name)
+      shape, axes = w.shape[1:], w.get_metadata()["out_sharding"][1:]
+      fan_in = math.prod(shape[:c])
+      a_shape, b_shape = (L, *shape[:c], r), (L, r, *shape[c:])
+      a_axes, b_axes = ("layers", *axes[:c], "lora"), ("layers", "lora", *axes[c:])
+      f32 = jnp.float32
+      setattr(
+        self, name + LORA_A, _param(rngs, a_shape, a_axes, f32, std=fan_in**-0.5, kind=LoRAParam)
+      )
+      setattr(self, name + LORA_B, _param(rngs, b_shape, b_axes, f32, "zeros", kind=LoRAParam))
 
   def arrays(self) -> dict[str, jax.Array]:
     return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
@@ -287,21 +324,43 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool =
   return y.reshape(*lead, *out)
 
 
-def decoder_layer(cfg, p, x, rope, attend, local=None):
+def lora_delta(cfg, w, name: str, x: jax.Array, contract: int, key=None, *, mm=project):
+  """(alpha / r) dropout(x) A B: the LoRA adapters' term of projection `name` for x (A, B are
+  w[name + LORA_A], w[name + LORA_B]); dropout (cfg.lora_dropout) only when a key is given."""
+  if key is not None and cfg.lora_dropout > 0:
+    keep = jax.random.bernoulli(key, 1.0 - cfg.lora_dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - cfg.lora_dropout), jnp.zeros_like(x)).astype(x.dtype)
+  down = mm(x, w[name + LORA_A], contract)
+  return mm(down * jnp.asarray(cfg.lora_scale, down.dtype), w[name + LORA_B])
+
+
+def decoder_layer(cfg, p, x, rope, attend, local=None, lora_key=None):
   """One pre-norm decoder layer. attend(q, k, v, local) -> [B, T, H, Dh] handles cache / no
   cache; local: whether this is a sliding-window layer (a bool, traced inside the layer scan;
-  None when the model has none), which also picks its RoPE tables (`rope_tables`)."""
+  None when the model has none), which also picks its RoPE tables (`rope_tables`). Weights with
+  LoRA adapters in p (`Layers`) add their term; lora_key (training only) draws the adapters'
+  dropout."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   # remat "dots" keeps the projections' products, which a custom VJP would hide from it.
-  mm = functools.partial(project, custom_vjp=cfg.remat != "dots")
+  plain = functools.partial(project, custom_vjp=cfg.remat != "dots")
+
+  def mm(h, name, contract=1):
+    y = plain(h, w[name], contract)
+    if name + LORA_A in w:
+      key = None
+      if lora_key is not None:
+        key = jax.random.fold_in(lora_key, cfg.lora_weights.index(name))
+      y = y + lora_delta(cfg, w, name, h, contract, key, mm=plain)
+    return y
+
   if cfg.rope_local_theta is not None:
     pick = jnp.asarray(False if local is None else local, jnp.int32)
     rope = tuple(jax.lax.dynamic_index_in_dim(t, pick, keepdims=False) for t in rope)
   h = norm(cfg, x, w["attn_norm"])
-  q = mm(h, w["wq"])
-  k = mm(h, w["wk"])
-  v = mm(h, w["wv"])
+  q = mm(h, "wq")
+  k = mm(h, "wk")
+  v = mm(h, "wv")
   if cfg.attention_bias:
     q, k, v = (_in_float32(jnp.add, a, w[b]) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
   if cfg.qk_norm:
@@ -309,15 +368,15 @@ def decoder_layer(cfg, p, x, rope, attend, local=None):
     k = norm(cfg, k, w["k_norm"])
   q = apply_rope(q, rope)
   k = apply_rope(k, rope)
-  attn = mm(attend(q, k, v, local), w["wo"], contract=2)
+  attn = mm(attend(q, k, v, local), "wo", contract=2)
   if cfg.post_norms:
     attn = norm(cfg, attn, w["attn_post_norm"])
   x = x + attn
   h = norm(cfg, x, w["mlp_norm"])
-  gate = mm(h, w["w_gate"])
-  up = mm(h, w["w_up"])
+  gate = mm(h, "w_gate")
+  up = mm(h, "w_up")
   act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-  out = mm(act * up, w["w_down"])
+  out = mm(act * up, "w_down")
   if cfg.post_norms:
     out = norm(cfg, out, w["mlp_post_norm"])
   return x + out
@@ -347,6 +406,7 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     cache_index: jax.Array | int | None = None,
     cache_block: int | None = None,
+    lora_key: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
 
@@ -360,6 +420,8 @@ class Transformer(nnx.Module):
     cache_index). Blocks of `cache_block` slots; by default a single token (the decode step)
     uses `attention.DECODE_BLOCK` and several tokens (a prefill) `attention.BLOCK_SIZE`, or
     attend densely over the whole cache when cfg.attention resolves to dense for its length.
+    lora_key (without cache only: training) draws the LoRA adapters' dropout
+    (cfg.lora_dropout); without it there is none.
     Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
     """
     cfg = self.cfg
@@ -385,11 +447,11 @@ class Transformer(nnx.Module):
         scores.window,
         local,
       )
-      x = self._layer_scan(x, rotate(positions, fwd), attend)
+      x = self._layer_scan(x, rotate(positions, fwd), attend, lora_key)
       x = rotate(x, back[:, :, None])
       new_cache = None
     elif cache is None:
-      x = self._layer_scan(embed(tokens), positions, self._self_attend(attn_mask))
+      x = self._layer_scan(embed(tokens), positions, self._self_attend(attn_mask), lora_key)
       new_cache = None
     else:
       if cache_index is None:
@@ -506,21 +568,26 @@ class Transformer(nnx.Module):
       q, k, v, attn_mask, self.cfg.attention, scores=scores, local=local
     )
 
-  def _layer_scan(self, x: jax.Array, positions: jax.Array, attend: Callable) -> jax.Array:
+  def _layer_scan(
+    self, x: jax.Array, positions: jax.Array, attend: Callable, lora_key: jax.Array | None = None
+  ) -> jax.Array:
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
-    each step rematerialised, as `architectures.layer_plan` says for cfg and this shape."""
+    each step rematerialised, as `architectures.layer_plan` says for cfg and this shape.
+    lora_key: one dropout key per layer for the LoRA adapters (`decoder_layer`)."""
     cfg = self.cfg
     rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
     remat, scan = layer_plan(cfg, *x.shape[:2])
+    dropout = lora_key is not None and cfg.lora_rank > 0 and cfg.lora_dropout > 0
+    keys = jax.random.split(lora_key, cfg.num_layers) if dropout else None
 
     def step(x, xs):
-      p, local = xs
+      p, local, key = xs
       x = partitioning.constrain_batch(x)
-      return decoder_layer(cfg, p, x, rope, attend, local), None
+      return decoder_layer(cfg, p, x, rope, attend, local, key), None
 
     if REMAT_POLICIES[remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    xs = (self.layers.arrays(), local_flags(cfg))
+    xs = (self.layers.arrays(), local_flags(cfg), keys)
     x, _ = jax.lax.scan(step, x, xs, unroll=not scan)
     return x
 
@@ -532,6 +599,7 @@ class Transformer(nnx.Module):
     *,
     prompt_len: int,
     group_size: int,
+    lora_key: jax.Array | None = None,
   ) -> jax.Array:
     """Hidden states of the response part of rows that come in groups sharing one prompt,
     running each prompt through the layers once instead of once per row.
@@ -574,7 +642,7 @@ class Transformer(nnx.Module):
     attend = self._shared_prefix_attend(attn_mask.astype(bool), pack, unpack, P, G)
 
     x = embed_tokens(self.cfg, self.embed[...], pack(tokens))
-    x = self._layer_scan(x, pack(positions), attend)
+    x = self._layer_scan(x, pack(positions), attend, lora_key)
     x = norm(self.cfg, x, self.final_norm[...])
     last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
     conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
@@ -648,6 +716,68 @@ def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.
   layers = [{k: a[l] for k, a in stacked.items()} for l in range(model.cfg.num_layers)]
   w, tied = model.unembedding()
   return layers, (w if tied else w.T)
+
+
+# Whether the sampler runs a LoRA policy as its base model with the adapters merged into the
+# weights (W + s A B, once per sampler call: `merge_lora`) rather than applying them at every
+# step, as the trainer does. Off: merging measured no faster (benchmarks/sampler.py --lora-rank,
+# docs/performance.md), and it costs a copy of the adapted weights while sampling and, with a
+# 16-bit base, a rounding of W + s A B the trainer's log-probs do not share.
+SAMPLER_MERGES_LORA = False
+
+
+def merge_lora(model: Transformer) -> Transformer:
+  """The base model of a LoRA policy with its adapters merged into their weights (a new copy of
+  those weights; the rest shared), computing what the policy computes up to rounding in the
+  weights' dtype. A model without adapters comes back as it is."""
+  cfg = model.cfg
+  if not cfg.lora_rank:
+    return model
+  merged = merge_lora_weights(cfg, model.layers.arrays())
+  flat = dict(nnx.to_flat_state(split_lora(nnx.state(model))[1]))
+  for name in cfg.lora_weights:
+    flat[("layers", name)] = flat[("layers", name)].replace(merged[name])
+  return nnx.merge(abstract_graphdef(cfg.without_lora()), nnx.from_flat_state(flat))
+
+
+def merge_lora_weights(cfg: ModelConfig, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Stacked layer weights (`Layers.arrays`) with each adapted weight replaced by
+  W + (alpha / r) A B (in float32, stored in W's dtype) and the adapters dropped."""
+  out = {k: a for k, a in stacked.items() if not k.endswith((LORA_A, LORA_B))}
+  for name in cfg.lora_weights:
+    a, b, w = stacked[name + LORA_A], stacked[name + LORA_B], stacked[name]
+    a2 = a.reshape(a.shape[0], -1, a.shape[-1]).astype(jnp.float32)  # [L, in, r]
+    b2 = b.reshape(b.shape[0], b.shape[1], -1).astype(jnp.float32)  # [L, r, out]
+    delta = jnp.einsum("lir,lro->lio", a2, b2) * cfg.lora_scale
+    merged = w.astype(jnp.float32) + delta.reshape(w.shape)
+    out[name] = merged.astype(w.dtype)
+  return out
+
+
+def split_lora(params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+  """(adapters, frozen base) of a policy state with LoRA adapters (`LoRAParam`), or
+  (params, None) without: what a run trains and what it only reads."""
+  adapters, base = nnx.split_state(params, LoRAParam, ...)
+  if not jax.tree.leaves(adapters):
+    return params, None
+  return adapters, base
+
+
+def lora_state(cfg: ModelConfig, seed: int = 0) -> nnx.State:
+  """Fresh LoRA adapters (A random, B zeros) for a model of `cfg`, seeded by `seed`."""
+  return _init_lora(cfg, jnp.int32(seed))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_lora(cfg: ModelConfig, seed: jax.Array):
+  # Only the adapters are outputs: XLA drops the base weights' initialisation.
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))), LoRAParam)
+
+
+def with_lora(cfg: ModelConfig, base: nnx.State, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params) of a model of `cfg` (LoRA on) from the state of its base model
+  (`cfg.without_lora()`) and fresh adapters: the base's arrays are shared, not copied."""
+  return abstract_graphdef(cfg), nnx.merge_state(base, lora_state(cfg, seed))
 
 
 @functools.partial(jax.jit, static_argnums=0)

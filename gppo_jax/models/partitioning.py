@@ -1,8 +1,9 @@
 """Logical-axis sharding rules: model parameters name their axes, a rules table places them.
 
 Parameters in model.py carry logical axis names ("embed", "vocab", "mlp", "heads", "kv_heads",
-"head_dim", "layers") as `out_sharding` metadata on their `nnx.Param`. A rules table maps each
-name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config change only.
+"head_dim", "layers", LoRA's "lora") as `out_sharding` metadata on their `nnx.Param`. A rules
+table maps each name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config
+change only.
 A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
 earlier dimension of the same array is dropped (that dimension is then replicated over it), so
 tiny test models and odd head counts never fail to shard. Batches are not named by rules: their
@@ -37,6 +38,9 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
   ("kv_heads", "tensor"),
   ("head_dim", None),
   ("layers", None),
+  # LoRA's rank dimension: FSDP where the adapter's other dimensions do not take it already
+  # (B [r, heads, head_dim] of q, k, v has no embed dimension).
+  ("lora", "fsdp"),
 )
 # Batches (rollouts, mini-batches, prompts and every batch-major activation) split their leading
 # axis over these mesh axes; `batch_spec` is the one place that turns this into a PartitionSpec.

@@ -131,9 +131,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = None) -> Any:
   """NamedSharding pytree for a `train_step.TrainState` (concrete or abstract).
 
-  Parameters follow their logical axes; every optimizer-state subtree shaped like the parameters
-  (Adam's mu and nu, ...) gets the parameters' shardings; everything else (step, counts) is
-  replicated.
+  Parameters (and LoRA's frozen base) follow their logical axes; every optimizer-state subtree
+  shaped like the parameters (Adam's mu and nu, ...) gets the parameters' shardings; everything
+  else (step, counts) is replicated.
   """
   rules = partitioning.DEFAULT_RULES if rules is None else rules
   params = partitioning.state_shardings(state.params, mesh, rules)
@@ -146,7 +146,10 @@ def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = N
     return jax.tree.map(lambda _: rep, x)
 
   opt = jax.tree.map(mirror, state.opt_state, is_leaf=lambda x: jax.tree.structure(x) == params_def)
-  return state.replace(params=params, opt_state=opt, step=rep)
+  out = state.replace(params=params, opt_state=opt, step=rep)
+  if getattr(state, "frozen", None) is not None:  # LoRA's frozen base: by its logical axes
+    out = out.replace(frozen=partitioning.state_shardings(state.frozen, mesh, rules))
+  return out
 
 
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:

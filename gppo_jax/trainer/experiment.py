@@ -172,14 +172,18 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   """(graphdef, params, model_cfg, env, info) for the config: built-in task or HF folder + data.
 
   With `mesh`, Hugging Face weights go straight to their sharded layout as they are read. With
-  `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway)."""
+  `warm_start=False` the built-in policy keeps its random init (a restore replaces it anyway),
+  except with LoRA, whose frozen base a restore does not replace."""
   overrides = config_lib.model_overrides(config)
   if config.model.path is not None:
     from gppo_jax.models import hf_checkpoint
 
-    model, tokenizer = hf_checkpoint.load_pretrained(config.model.path, mesh=mesh, **overrides)
+    model, tokenizer = hf_checkpoint.load_pretrained(
+      config.model.path, mesh=mesh, lora_seed=config.seed, **overrides
+    )
     env = envs.make_env(config, tokenizer)
     graphdef, params = nnx.split(model)
+    _say_lora(model.cfg, params, say)
     return graphdef, params, model.cfg, env, {}
   env = envs.make_env(config)
   tok = env.tokenizer
@@ -196,17 +200,35 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
   # varies repeats RL from one starting policy (`python -m gppo_jax.sweep --start shared` does).
   init_seed = config.warmstart.get("seed")
   init_seed = config.seed if init_seed is None else int(init_seed)
-  model = model_lib.create(cfg, init_seed)
+  # With LoRA the base model is built and warm-started alone (the warm start trains all of it,
+  # and its cache is shared with full fine-tuning runs); the adapters are added afterwards.
+  base_cfg = cfg.without_lora()
+  model = model_lib.create(base_cfg, init_seed)
   graphdef, params = nnx.split(model)
   say(f"policy: architecture {config.model.preset!r}, {model_lib.param_count(model):,} parameters")
   info = {}
-  if config.warmstart.enabled and warm_start:
+  # LoRA's base is in no checkpoint: a restore replaces only the adapters, so the base is always
+  # warm-started (from the warm start's cache after the first time).
+  if config.warmstart.enabled and (warm_start or cfg.lora_rank):
     from gppo_jax.trainer import warmstart
 
     params, info = warmstart.warm_start(
-      graphdef, params, env, cfg, config.warmstart, seed=init_seed, log=say
+      graphdef, params, env, base_cfg, config.warmstart, seed=init_seed, log=say
     )
+  if cfg.lora_rank:
+    graphdef, params = model_lib.with_lora(cfg, params, config.seed)
+    _say_lora(cfg, params, say)
   return graphdef, params, cfg, env, info
+
+
+def _say_lora(cfg, params, say) -> None:
+  if cfg.lora_rank:
+    adapters, _ = model_lib.split_lora(params)
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+    say(
+      f"LoRA: rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on {', '.join(cfg.lora_weights)}: "
+      f"{count(adapters):,} trained of {count(params):,} parameters"
+    )
 
 
 def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
@@ -246,8 +268,11 @@ def evaluate(
 
 
 def _fresh_state(params, tx) -> train_step.TrainState:
+  """The TrainState of a policy state: with LoRA adapters (`model_lib.split_lora`) only they
+  are trained and get optimizer state; the base is kept frozen beside them."""
+  params, frozen = model_lib.split_lora(params)
   return train_step.TrainState(
-    params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32)
+    params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), frozen=frozen
   )
 
 
@@ -257,7 +282,7 @@ def init_state(params, tx, mesh) -> tuple[Any, train_step.TrainState]:
   The optimizer state is created in place beside the parameters: a policy whose Adam moments do
   not fit on one device never lands on one."""
   state_sh = sharding.state_shardings(jax.eval_shape(lambda p: _fresh_state(p, tx), params), mesh)
-  params = jax.device_put(params, state_sh.params)
+  params = jax.device_put(params, state_sh.policy())
   return state_sh, _jit_init(tx, state_sh)(params)
 
 
@@ -267,9 +292,10 @@ def _jit_init(tx, state_sh) -> Any:
 
 
 def abstract_state(params, tx, mesh) -> Any:
-  """The TrainState's shapes, dtypes and mesh shardings: what a checkpoint restore needs."""
+  """The shapes, dtypes and mesh shardings of what a checkpoint of a TrainState of `params`
+  holds (`TrainState.saved`): what a checkpoint restore needs."""
   state = jax.eval_shape(lambda p: _fresh_state(p, tx), params)
-  return sharding.abstract_like(state, sharding.state_shardings(state, mesh))
+  return sharding.abstract_like(state.saved(), sharding.state_shardings(state, mesh).saved())
 
 
 def quiet_libraries(flag_values) -> None:

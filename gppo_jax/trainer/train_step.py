@@ -54,9 +54,34 @@ class Batch:
 
 @flax.struct.dataclass
 class TrainState:
-  params: Any  # nnx.State of the policy
+  params: Any  # nnx.State of the trained parameters: the policy's, or with LoRA its adapters
   opt_state: Any
   step: jax.Array  # int32: optimizer steps taken
+  # With LoRA (`model_lib.split_lora`): the frozen base weights, read but never updated,
+  # carried in no optimizer state and saved in no checkpoint (`saved`). None without LoRA.
+  frozen: Any = None
+
+  def policy(self, params: Any = None) -> Any:
+    """The whole policy state (what `nnx.merge(graphdef, ...)` takes) of `params` (default
+    self.params): with LoRA the frozen base merged with those adapters (no copy)."""
+    params = self.params if params is None else params
+    return params if self.frozen is None else nnx.merge_state(self.frozen, params)
+
+  def saved(self) -> SavedState:
+    """What a checkpoint holds: everything but the frozen base."""
+    return SavedState(params=self.params, opt_state=self.opt_state, step=self.step)
+
+
+@flax.struct.dataclass
+class SavedState:
+  """A TrainState as checkpoints hold it (the fields of TrainState before LoRA, by name)."""
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+
+  def with_frozen(self, frozen: Any) -> TrainState:
+    return TrainState(self.params, self.opt_state, self.step, frozen)
 
 
 @functools.lru_cache(maxsize=32)  # equal settings, the same object: compiled updates are reused
@@ -142,10 +167,12 @@ def abstract_train_state(
   """The TrainState of a fresh model of `cfg` with optimizer `tx`, as jax.ShapeDtypeStructs:
   what the update compiles for when nothing is to be allocated (plan.py, benchmarks/)."""
   params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
+  params, frozen = model_lib.split_lora(params)
   return TrainState(
     params=params,
     opt_state=jax.eval_shape(tx.init, params),
     step=jax.ShapeDtypeStruct((), jnp.int32),
+    frozen=frozen,
   )
 
 
@@ -233,20 +260,34 @@ def trim_responses(batch: Batch, prompt_len: int, keep: int) -> Batch:
 
 
 def _response_stats(
-  model, batch, *, prompt_len, temperature, entropy=False, gather=False, group_size=1
+  model,
+  batch,
+  *,
+  prompt_len,
+  temperature,
+  entropy=False,
+  gather=False,
+  group_size=1,
+  lora_key=None,
 ):
   """Log-probs of the response tokens ("logprobs" [N, R]; with gather, "gathered_logprobs" of
   batch.topk_ids [N, R, K]; with entropy, "entropy"). With batch.kept_ids (logprobs_mode "sampled")
   both log-probs are those of the policy renormalised over the behaviour's kept set
   (`truncate_to_kept`); the entropy stays that of the full tempered distribution.
   group_size > 1: the rows come in groups of that many sharing their prompt, and each prompt
-  runs through the model once (`Transformer.shared_prompt_hidden`)."""
+  runs through the model once (`Transformer.shared_prompt_hidden`). lora_key: the LoRA
+  adapters' dropout (training passes)."""
   if group_size > 1:
     hidden = model.shared_prompt_hidden(
-      batch.inputs, batch.positions, batch.attn, prompt_len=prompt_len, group_size=group_size
+      batch.inputs,
+      batch.positions,
+      batch.attn,
+      prompt_len=prompt_len,
+      group_size=group_size,
+      lora_key=lora_key,
     )
   else:
-    hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn)
+    hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn, lora_key=lora_key)
     hidden = hidden[:, prompt_len - 1 :]
   targets = batch.targets[:, prompt_len - 1 :]
   ids = []
@@ -351,11 +392,14 @@ def epoch_permutation(key: jax.Array, num_rows: int, group_size: int = 1) -> jax
 def make_update_fn(
   graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: UpdateSpec
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-  """Returns update(state, batch, rng) -> (state, metrics [epochs * minibatches] per key)."""
+  """Returns update(state, batch, rng) -> (state, metrics [epochs * minibatches] per key).
+
+  With LoRA (state.frozen set) the gradient and the optimizer see only the adapters
+  (state.params); the frozen base is read as it is."""
   loss_cfg = spec.loss
 
-  def loss_fn(params, mb, normalizer):
-    model = nnx.merge(graphdef, params)
+  def loss_fn(params, frozen, mb, normalizer, key):
+    model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
     stats = _response_stats(
       model,
       mb,
@@ -364,6 +408,7 @@ def make_update_fn(
       entropy=loss_cfg.entropy_coef > 0,
       gather=spec.use_topk,
       group_size=spec.group_size,
+      lora_key=key,
     )
     extra: dict[str, Any] = {}
     if spec.use_topk:
@@ -388,21 +433,24 @@ def make_update_fn(
   def split(x, n):
     return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
-  def minibatch_step(carry, mb):
+  def minibatch_step(carry, xs, frozen):
     params, opt_state = carry
+    mb, key = xs
     # The normaliser of the whole mini-batch, so that micro-batch gradients simply add up.
     _, count = objective.aggregate_terms(
       jnp.zeros(mb.mask.shape), mb.mask, loss_cfg.aggregation, loss_cfg.max_len
     )
     micro = jax.tree.map(lambda x: split(x, spec.microbatches), mb)
 
-    def micro_step(acc, piece):
+    def micro_step(acc, xs):
+      piece, key = xs
       piece = partitioning.constrain_batch(piece)
-      grads, metrics = grad_fn(params, piece, count)
+      grads, metrics = grad_fn(params, frozen, piece, count, key)
       return jax.tree.map(jnp.add, acc, grads), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, metrics = jax.lax.scan(micro_step, zeros, micro)
+    keys = jax.random.split(key, spec.microbatches)
+    grads, metrics = jax.lax.scan(micro_step, zeros, (micro, keys))
     summed = {k: jnp.sum(metrics.pop(k), axis=0) for k in ("loss/sum", "loss/count")}
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
     metrics.update(summed)
@@ -423,7 +471,10 @@ def make_update_fn(
     def epoch_step(carry, key):
       perm = epoch_permutation(key, n, G)
       shuffled = jax.tree.map(lambda x: split(x[perm], spec.minibatches), batch)
-      return jax.lax.scan(minibatch_step, carry, shuffled)
+      # The mini-batches' LoRA dropout keys (unused without dropout).
+      keys = jax.random.split(jax.random.fold_in(key, 1), spec.minibatches)
+      step = functools.partial(minibatch_step, frozen=state.frozen)
+      return jax.lax.scan(step, carry, (shuffled, keys))
 
     keys = jax.random.split(rng, spec.epochs)
     (params, opt_state), metrics = jax.lax.scan(epoch_step, (state.params, state.opt_state), keys)
