@@ -188,11 +188,12 @@ def base(
   # policy term by min(pi_old / mu, C)) or "mis" (drop tokens whose ratio leaves [1/C, C]), per
   # "token" or per "sequence" (the product of the response's ratios). mismatch/* logs the gap:
   # frac_beyond is the share of tokens with |log(pi_old / mu)| > mismatch_threshold.
-  # How rollouts and evaluations decode: "fixed" batches, or "continuous" batching over a paged KV
+  # How rollouts and evaluations decode: "fixed" batches, "continuous" batching over a paged KV
   # cache (generation/continuous.py; on a mesh split over the batch shards): `slots` responses
   # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
   # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
-  c.rollout.engine = "fixed"
+  # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
+  c.rollout.engine = "auto"
   c.rollout.slots = 0
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
@@ -487,6 +488,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
   imports this module)."""
   from gppo_jax.algorithm import objective
   from gppo_jax.data import tasks
+  from gppo_jax.generation import continuous
   from gppo_jax.models import architectures, sharding
   from gppo_jax.rewards import math_reward
 
@@ -558,7 +560,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.num_topk", Int(0)),
     ("rollout.logprobs_mode", OneOf(("full", "sampled"))),
     ("rollout.recompute_logprobs", Flag()),
-    ("rollout.engine", OneOf(("fixed", "continuous"))),
+    ("rollout.engine", OneOf(continuous.ENGINES)),
     ("rollout.slots", Int(0)),
     ("rollout.page_size", Int(1)),
     ("rollout.kv_pages", Int(0)),
@@ -697,7 +699,7 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
 
   problems = _field_problems(c)
   r = c.rollout
-  if r.engine == "continuous" and _is_int(r.slots) and 0 < r.slots < r.group_size:
+  if r.engine != "fixed" and _is_int(r.slots) and 0 < r.slots < r.group_size:
     problems.append(
       f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
       "(a prompt's samples are admitted together)"

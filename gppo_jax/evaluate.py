@@ -34,7 +34,6 @@ from flax import nnx
 
 from gppo_jax import config_lib, files
 from gppo_jax.errors import UserError
-from gppo_jax.generation import sampler
 from gppo_jax.models import partitioning, sharding
 from gppo_jax.rewards import pass_at_k
 from gppo_jax.trainer import checkpointing, experiment, policy_eval, train_step
@@ -144,7 +143,7 @@ def evaluate_checkpoint(config, workdir: str, which: str = "latest") -> dict[str
     settings = policy_eval.EvalSettings.from_config(
       config.eval, max_new_tokens=max_new, run_seed=config.seed
     )
-    sample_fn = sampler.MeshSampler(graphdef, param_sh)
+    sample_fn = experiment.sample_fn(config, graphdef, param_sh, mesh)
     result = experiment.evaluate(
       config, graphdef, params, env, max_new_tokens=max_new, sample_fn=sample_fn, report=True
     )

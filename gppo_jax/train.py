@@ -32,9 +32,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import config_lib, errors, files
+from gppo_jax import config_lib, files
 from gppo_jax.algorithm import correction
-from gppo_jax.generation import continuous, sampler
+from gppo_jax.generation import sampler
 from gppo_jax.models import sharding
 from gppo_jax.research import diagnostics
 from gppo_jax.trainer import (
@@ -213,7 +213,7 @@ def _set_up(
     env=env,
     sampling=sampling,
     spec=spec,
-    sample_fn=_sample_fn(config, graphdef, state_sh.policy(), mesh),
+    sample_fn=experiment.sample_fn(config, graphdef, state_sh.policy(), mesh),
     update=update,
     logprobs=_jit_logprobs(graphdef, spec, state_sh.policy(), batch_sh),
     state_sh=state_sh,
@@ -286,25 +286,6 @@ def _diagnostics_fn(config, graphdef, spec: train_step.UpdateSpec) -> Callable |
 def _iteration_keys(seed_key, iteration):
   key = jax.random.fold_in(seed_key, iteration)
   return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-
-
-def _sample_fn(config, graphdef, param_shardings, mesh):
-  """The sampler of rollouts and evaluations: the fixed-batch `MeshSampler`, or with
-  rollout.engine="continuous" continuous batching on the mesh's batch shards."""
-  r = config.rollout
-  if r.get("engine", "fixed") != "continuous":
-    return sampler.MeshSampler(graphdef, param_shardings)
-  shards = sharding.batch_shards(mesh)
-  slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
-  if slots % shards:
-    raise errors.ConfigError(
-      f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
-      f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
-    )
-  engine = continuous.EngineConfig(
-    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk
-  )
-  return continuous.EngineSampler(graphdef, engine, mesh)
 
 
 def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: dict):

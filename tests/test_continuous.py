@@ -269,3 +269,36 @@ def test_page_table_shares_prompt_pages_and_frees_them_with_the_last_reader():
   assert pages.in_use == 3 and (pages.table[0] == paged.TRASH_PAGE).all()  # prompt still read
   pages.release(2)
   assert pages.in_use == 0 and sorted(pages.free) == list(range(1, 12))
+
+
+def test_auto_engine_picks_continuous_batching_at_real_response_lengths():
+  """rollout.engine="auto" (the default): fixed batches for the built-in task's few-token
+  answers, continuous batching from AUTO_MIN_NEW_TOKENS on, on one device or a mesh; explicit
+  choices win; an unknown one is a config error naming the choices."""
+  from gppo_jax import config_lib, errors
+  from gppo_jax.models import partitioning, sharding
+  from gppo_jax.trainer import experiment
+
+  cfg = architectures.get("char-tiny", vocab_size=40)
+  graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  config = config_lib.base()
+  assert config.rollout.engine == "auto"
+  n = continuous.AUTO_MIN_NEW_TOKENS
+  assert continuous.engine_for("auto", n - 1) == "fixed"
+  assert continuous.engine_for("auto", n) == "continuous"
+  assert continuous.engine_for("continuous", 8) == "continuous"
+  assert continuous.engine_for("fixed", 10 * n) == "fixed"
+  mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])
+  shardings = partitioning.state_shardings(params, mesh)
+  for max_new, want in ((8, sampler.MeshSampler), (n, continuous.EngineSampler)):
+    config.rollout.max_new_tokens = max_new
+    got = experiment.sample_fn(config, graphdef, shardings, mesh)
+    assert type(got) is want
+  assert got.engine.slots % 2 == 0
+  config.rollout.slots = 3
+  with pytest.raises(errors.ConfigError, match="multiple of the mesh's 2 batch shards"):
+    experiment.sample_fn(config, graphdef, shardings, mesh)
+  config.rollout.slots = 0
+  config.rollout.engine = "paged"
+  with pytest.raises(errors.ConfigError, match="rollout.engine"):
+    config_lib.validate(config)

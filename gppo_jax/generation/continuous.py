@@ -49,6 +49,23 @@ from gppo_jax.generation import sampler as sampler_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.models import partitioning, sharding
 
+ENGINES = ("auto", "fixed", "continuous")  # config rollout.engine
+# "auto": continuous batching from this many max new tokens on, fixed batches below. At real
+# response lengths the engine wins (benchmarks/rollout.py: mean 256, cap 1,024 tokens); on the
+# built-in task's few-token answers its host round trips between chunks cost more than the
+# idle rows it saves (benchmarks/iteration.py --config.rollout.engine=...; docs/performance.md).
+AUTO_MIN_NEW_TOKENS = 256
+
+
+def engine_for(engine: str, max_new_tokens: int) -> str:
+  """ "fixed" or "continuous": what `engine` (ENGINES) means for responses of up to
+  max_new_tokens tokens."""
+  if engine not in ENGINES:
+    raise ValueError(f"rollout.engine={engine!r}; valid: {', '.join(ENGINES)}")
+  if engine == "auto":
+    return "continuous" if max_new_tokens >= AUTO_MIN_NEW_TOKENS else "fixed"
+  return engine
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

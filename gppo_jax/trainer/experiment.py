@@ -28,7 +28,7 @@ from flax import nnx
 from gppo_jax import config_lib
 from gppo_jax.data import envs
 from gppo_jax.errors import ConfigError, MissingFileError, UserError
-from gppo_jax.generation import sampler
+from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import architectures, sharding
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import policy_eval, train_step
@@ -409,3 +409,23 @@ def _glibc():
     return libc if hasattr(libc, "mallopt") else None
   except OSError:
     return None
+
+
+def sample_fn(config, graphdef, param_shardings, mesh):
+  """The sampler of rollouts and evaluations (`rollout.engine`): the fixed-batch `MeshSampler`,
+  or continuous batching on the mesh's batch shards; "auto" picks continuous batching from
+  `continuous.AUTO_MIN_NEW_TOKENS` new tokens on (`continuous.engine_for`)."""
+  r = config.rollout
+  if continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens) == "fixed":
+    return sampler.MeshSampler(graphdef, param_shardings)
+  shards = sharding.batch_shards(mesh)
+  slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
+  if slots % shards:
+    raise ConfigError(
+      f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
+      f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
+    )
+  engine = continuous.EngineConfig(
+    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk
+  )
+  return continuous.EngineSampler(graphdef, engine, mesh)
