@@ -273,7 +273,8 @@ def reuse(builder: Callable | None = None, *, maxsize: int = 8) -> Callable:
 # backend hands plain dots to the YNNPACK library by default; on the narrow matrices of a small
 # model's update (the default run's [656, 64] x [64, 192]) XLA's own kernels run faster, on
 # wider ones slower (docs/performance.md). The sampler keeps the default: its batched decode
-# products run slower on XLA's kernels.
+# products run slower on XLA's kernels. Earns its place: the default run's iteration
+# (benchmarks/iteration.py) ~2x against "ynnpack" (median of three interleaved pairs).
 CPU_MATMULS = ("auto", "xla", "ynnpack")
 CPU_XLA_MATMUL_MAX_HIDDEN = 128  # "auto": XLA's own kernels up to this hidden size
 _XLA_MATMUL_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
