@@ -213,7 +213,6 @@ def _our_logits(policy, tokens, mask, positions):
   return np.asarray(forward(policy, tokens, mask, positions))
 
 
-@pytest.mark.user_xla
 @pytest.mark.parametrize("impl", ["dense", "blockwise"])
 def test_logits_match_transformers(saved, impl, monkeypatch):
   kind, hf, path = saved
@@ -284,7 +283,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4, 5], [13, 14, 15, 16, 17]]
 N = 20  # prompt + response: 29 slots, over three windows
 
 
-@pytest.mark.user_xla
 def test_sampler_logprobs_match_the_trainer(saved):
   """The KV-cached sampler's log-probs (the CPU decode reading a window-long slice of each local
   layer's cache, and the scan decode reading blocks of 4 slots) equal a teacher-forced forward's

@@ -112,7 +112,7 @@ def _judge(info: dict, ws_cfg) -> dict:
   """info with the target and whether it was missed; a miss is logged as a warning."""
   info = {**info, "target_accuracy": float(ws_cfg.target_accuracy)}
   info["missed_target"] = bool(info["accuracy"] < ws_cfg.target_accuracy)
-  if info["missed_target"]:
+  if info["missed_target"] and jax.process_index() == 0:  # one report per run, as the summary
     logging.getLogger("gppo_jax").warning(
       "warm start MISSED its target: held-out greedy accuracy %.3f < %.2f after %d supervised "
       "steps (warmstart.max_steps=%d). RL starts from this weaker policy; the run's summary "
