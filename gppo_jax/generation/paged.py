@@ -174,6 +174,7 @@ def decode_step(
   x = model_lib.embed_tokens(cfg, model.embed[...], tokens[:, None])
   rope = model_lib.rope_tables(positions[:, None], cfg)
   scores, flags = model_lib.scores_of(cfg), model_lib.local_flags(cfg)
+  kinds = model_lib.moe_flags(cfg)
 
   def layer_step(carry, xs):
     x, pk, pv = carry
@@ -190,7 +191,8 @@ def decode_step(
       )  # fmt: skip
 
     local = None if flags is None else flags[l]
-    x = model_lib.decoder_layer(cfg, p, x, rope, attend, local)
+    moe = None if kinds is None else kinds[l]
+    x = model_lib.decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
     return (x, pk, pv), None
 
   layer_ids = jnp.arange(cfg.num_layers)
