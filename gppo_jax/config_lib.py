@@ -143,6 +143,13 @@ def base(
   # `targets` are trained: y = x W + (alpha / r) dropout(x) A B. The base weights stay frozen
   # (in model.param_dtype) and out of the optimizer state and checkpoints; the KL reference is
   # the base with the adapters off. Export writes the merged model and a PEFT adapter folder.
+  # Mixtures of experts (Qwen3-MoE): the weight of the router's load-balancing loss in the loss
+  # (0: off; transformers' router_aux_loss_coef is 0.001, for pretraining: an RL fine-tune of a
+  # balanced router leaves it off), logged as moe/aux_loss either way; how the experts run
+  # (architectures.MOE_DISPATCH: "sorted", or "dense", every expert on every token).
+  c.model.moe = ml_collections.ConfigDict()
+  c.model.moe.aux_loss_coef = 0.0
+  c.model.moe.dispatch = "sorted"
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0
   c.model.lora.alpha = 16.0
@@ -209,6 +216,11 @@ def base(
   # (the initial one while t < k), so even the first update step is off-policy. Keeps k copies of
   # the parameters (saved in checkpoints). 0 = on-policy sampling. docs/guide.md "Training".
   c.rollout.staleness = 0
+  # Mixtures of experts: the sampler records the experts each response token was routed to and
+  # the update's forward reuses them (recomputing their weights with the current router), so the
+  # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of
+  # (token, layer) pairs whose trainer router would have chosen otherwise. Fixed-batch engine.
+  c.rollout.routing_replay = False
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
   # LossConfig.from_config; config files write a preset's with use_settings).
@@ -479,7 +491,7 @@ def _valid_seeds(x) -> bool:
 
 
 # Sections that configs built before them may lack: their fields are then not checked.
-OPTIONAL_SECTIONS = ("profile", "model.lora")
+OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe")
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -526,6 +538,8 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("model.cpu_matmul", OneOf(sharding.CPU_MATMULS)),
     ("model.export_hf", Flag()),
     ("model.lora.rank", Int(0)),
+    ("model.moe.aux_loss_coef", Range(0)),
+    ("model.moe.dispatch", OneOf(architectures.MOE_DISPATCH)),
     ("model.lora.alpha", Range(0, lo_open=True, note=" (the adapters' scale is alpha / rank)")),
     (
       "model.lora.targets",
@@ -571,6 +585,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.mismatch_threshold", Range(0, lo_open=True)),
     ("rollout.refill_rounds", Int(0)),
     ("rollout.staleness", Int(0)),
+    ("rollout.routing_replay", Flag()),
     # Loss.
     ("loss.delta_low", radius),
     ("loss.delta_high", radius),
@@ -704,6 +719,11 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
       "(a prompt's samples are admitted together)"
     )
+  if r.get("routing_replay", False) and r.engine == "continuous":
+    problems.append(
+      "rollout.routing_replay=True: needs rollout.engine='fixed' (or 'auto'): the continuous "
+      "engine does not record the experts"
+    )
   if r.correction != "none" and r.recompute_logprobs is not True:
     problems.append(
       f"rollout.correction={r.correction!r}: needs rollout.recompute_logprobs=True (it weighs "
@@ -795,6 +815,7 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict[str, Any]:
     attention=m.get("attention", "auto"),
     scan_layers=m.get("scan_layers", True),
     **lora_overrides(c),
+    **({"moe_dispatch": m.moe.dispatch} if m.get("moe") is not None else {}),
   )
 
 

@@ -137,7 +137,7 @@ def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, 
   graphdef = model_lib.abstract_graphdef(model_cfg)
   tx = train_step.optimizer_from_config(config)
   state = train_step.abstract_train_state(model_cfg, tx)
-  spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
+  spec = train_step.update_spec_from_config(config, prompt_len, resp_len, model_cfg)
   return train_step.make_update_fn(graphdef, tx, spec), state, spec
 
 

@@ -408,6 +408,29 @@ ARCHITECTURES: dict[str, ModelConfig] = {
     initializer_range=0.1,
     remat="none",  # tiny: recomputing activations only costs time
   ),  # fmt: skip
+  # char-tiny's attention with 4 SwiGLU experts of 96, 2 per token (the mixture-of-experts
+  # code path on the built-in tasks).
+  "char-tiny-moe": ModelConfig(
+    64,
+    64,
+    192,
+    2,
+    4,
+    2,
+    16,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    family="qwen3_moe",
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+    initializer_range=0.1,
+    remat="none",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+  ),  # fmt: skip
   "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
   "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
   "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),

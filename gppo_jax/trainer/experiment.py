@@ -243,6 +243,7 @@ def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
     pad_id=pad_id,
     num_topk=r.num_topk,
     logprobs_mode=train_step.LOGPROBS_MODES[r.get("logprobs_mode", "full")],
+    record_experts=bool(r.get("routing_replay", False)),
   )
 
 
@@ -416,7 +417,8 @@ def sample_fn(config, graphdef, param_shardings, mesh):
   or continuous batching on the mesh's batch shards; "auto" picks continuous batching from
   `continuous.AUTO_MIN_NEW_TOKENS` new tokens on (`continuous.engine_for`)."""
   r = config.rollout
-  if continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens) == "fixed":
+  engine = continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens)
+  if engine == "fixed" or r.get("routing_replay", False):  # only it records the experts
     return sampler.MeshSampler(graphdef, param_shardings)
   shards = sharding.batch_shards(mesh)
   slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
