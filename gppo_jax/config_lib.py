@@ -325,6 +325,9 @@ def base(
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # Expert parallelism (mixtures of experts): the experts split over this many devices, which
+  # also split the batch; 1 = no expert axis in the mesh. Must divide the model's num_experts.
+  c.mesh.expert = 1
 
   if "smoke" in args:
     c.iterations = 3

@@ -262,6 +262,8 @@ def test_expert_parallel_equals_unsharded(saved):
   grad = jax.value_and_grad(loss, has_aux=True)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     (l_s, (lg_s, ids_s)), g_s = jax.jit(grad, static_argnums=1)(params, graphdef)
+    # Each device sorts its own rows (the batch split 8 ways: data x expert).
+    assert "shard_map" in str(jax.make_jaxpr(grad, static_argnums=1)(params, graphdef))
   (l_p, (lg_p, ids_p)), g_p = jax.jit(grad, static_argnums=1)(*nnx.split(plain)[::-1])
   np.testing.assert_allclose(np.asarray(lg_s), np.asarray(lg_p), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(ids_s), np.asarray(ids_p))
@@ -310,3 +312,32 @@ def test_training_run_with_routing_replay(tmp_path):
   c.rollout.engine = "continuous"
   with pytest.raises(errors.ConfigError, match="routing_replay"):
     config_lib.validate(c)
+
+
+def test_planner_counts_experts_and_shards_them():
+  """configs/qwen3_30b_a3b.py's model: 30.5B parameters, 3.3B active per token (the counts Qwen
+  publishes); over an expert axis of 8 each device holds about an eighth of the experts."""
+  import importlib.util
+  import pathlib
+
+  from gppo_jax import config_lib, plan
+
+  path = pathlib.Path(__file__).parents[1] / "configs" / "qwen3_30b_a3b.py"
+  spec = importlib.util.spec_from_file_location("qwen3_30b_a3b", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("gpu8")
+  config_lib.validate(c)
+  assert dict(module.get_config("v5p64,cell=dapo").mesh)["fsdp"] == 4
+  assert dict(c.mesh) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8}
+  assert c.rollout.routing_replay
+  cfg, _ = plan.model_config(c)
+  assert cfg.family == "qwen3_moe" and cfg.num_experts == 128
+  got = plan.plan(c, dict(c.mesh), compile=False, backend="gpu")
+  assert abs(got.num_params - 30.53e9) < 0.01e9
+  assert any("3.35B parameters active" in n for n in got.notes)
+  # float32 master weights: the 29B expert parameters split 8 ways, the other 1.5B whole.
+  assert 0.9 < got.params / (4 * (29.0e9 / 8 + 1.5e9)) < 1.1
+  flops = plan.update_flops(cfg, 1, 1000, 0)
+  # The active layer parameters (3.35B less 0.62B of embeddings and head), not all 29B+.
+  assert 1.0 < flops / (6 * 2.73e9 * 1000) < 1.1

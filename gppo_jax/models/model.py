@@ -25,8 +25,10 @@ Training reads log-probs through `chunked_logprobs`, which walks the sequence in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import flax
@@ -476,7 +478,9 @@ def moe_mlp(cfg, w, h, expert_ids=None, mask=None):
   if cfg.moe_dispatch == "dense":
     y = _experts_dense(cfg, w, x, ids, weights)
   else:
-    y = _experts_sorted(cfg, w, x, ids, weights)
+    y = _sorted_on_shards(
+      cfg, w, x.reshape(B, T, D), ids.reshape(B, T, k), weights.reshape(B, T, k)
+    )
   m = jnp.ones((B * T,), f32) if mask is None else mask.reshape(B * T).astype(f32)
   counts = jnp.zeros((E,), f32).at[ids.reshape(-1)].add(jnp.repeat(m, k))
   prob_sum = jnp.sum(probs * m[:, None], axis=0)
@@ -497,6 +501,33 @@ def _experts_dense(cfg, w, x, ids, weights):
   return jnp.einsum("ne,ned->nd", combine, y.astype(x.dtype).astype(f32))
 
 
+def _sorted_on_shards(cfg, w, x, ids, weights):
+  """`_experts_sorted` of x [B, T, D] (ids, weights [B, T, k]) -> [B * T, D]. On a mesh whose
+  batch axes split B (`partitioning.constrain_batch`'s ambient mesh), each device sorts and runs
+  its own rows (`jax.shard_map`) against the experts all-gathered for the layer, as FSDP gathers
+  a dense layer's weights: a sort over the whole batch would make XLA gather every device's
+  token rows instead (the sort and the ragged products have no partitioned form), which is far
+  more memory for long rollouts. The experts rest sharded over the expert axis; their gradient
+  is reduce-scattered back to it."""
+  B, T, D = x.shape
+  sorted_ = lambda x, ids, weights, *experts: _experts_sorted(
+    cfg, dict(zip(("moe_gate", "moe_up", "moe_down"), experts, strict=True)),
+    x.reshape(-1, D), ids.reshape(-1, ids.shape[-1]), weights.reshape(-1, weights.shape[-1]),
+  )  # fmt: skip
+  experts = (w["moe_gate"], w["moe_up"], w["moe_down"])
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else partitioning.batch_axes(mesh)
+  shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if shards == 1 or B % shards:
+    return sorted_(x, ids, weights, *experts)
+  rows = jax.sharding.PartitionSpec(axes)
+  whole = jax.sharding.PartitionSpec()
+  run = jax.shard_map(
+    sorted_, mesh=mesh, in_specs=(rows, rows, rows, whole, whole, whole), out_specs=rows
+  )
+  return run(x, ids, weights, *experts)
+
+
 def _experts_sorted(cfg, w, x, ids, weights):
   """The token-expert pairs of x [N, D] sorted by expert, each expert's contiguous run of rows
   multiplied by that expert's weights only (`jax.lax.ragged_dot` with the runs' lengths), then
@@ -511,11 +542,34 @@ def _experts_sorted(cfg, w, x, ids, weights):
   order = jnp.argsort(flat, stable=True)  # pair positions grouped by expert
   rows = jnp.take(x, order // k, axis=0)  # [N * k, D]
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-  mm = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=f32)
+  mm = lambda a, b: _ragged_dot(a, b, sizes, preferred_element_type=f32)
   act = (jax.nn.silu(mm(rows, w["moe_gate"])) * mm(rows, w["moe_up"])).astype(x.dtype)
   y = mm(act, w["moe_down"]).astype(x.dtype)  # [N * k, D], sorted
   y = jnp.zeros_like(y).at[order].set(y).reshape(N, k, D)  # token order
   return jnp.einsum("nkd,nk->nd", y.astype(f32), weights.astype(f32))
+
+
+# XLA runs ragged_dot natively on GPU and TPU; its CPU lowering is dense over the groups (each
+# expert's weights against every row, masked: E times the memory). The planner, which compiles
+# on CPU for those targets, traces under `ragged_dot_stand_in`: one product of the same operand
+# and result shapes (the first expert's weights), as a native ragged_dot holds them.
+_STAND_IN = threading.local()
+
+
+@contextlib.contextmanager
+def ragged_dot_stand_in():
+  """Within: the sorted dispatch's ragged products traced as `_ragged_dot` describes."""
+  _STAND_IN.on = True
+  try:
+    yield
+  finally:
+    _STAND_IN.on = False
+
+
+def _ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+  if getattr(_STAND_IN, "on", False):
+    return jnp.dot(lhs, rhs[0], preferred_element_type=preferred_element_type)
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
 
 def router_aux_loss(cfg: ModelConfig, counts: jax.Array, prob_sum: jax.Array, tokens) -> jax.Array:
