@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from gppo_jax import errors
 from gppo_jax.generation import sampler
-from gppo_jax.models import architectures, hf_checkpoint, sharding
+from gppo_jax.models import architectures, hf_checkpoint, partitioning, sharding
 from gppo_jax.models import model as model_lib
 
 T = 12
@@ -103,6 +103,8 @@ def test_config_mapping():
     architectures.get("qwen3-30b-a3b", moe_dispatch="capacity")
   with pytest.raises(ValueError, match="dense_layers needs num_experts"):
     architectures.get("tiny", dense_layers=(0,))
+  # LoRA adapts a mixture of experts' attention only (no expert, router or dense MLP).
+  assert architectures.get("char-tiny-moe", lora_rank=4).lora_weights == ("wq", "wk", "wv", "wo")
 
 
 @pytest.mark.user_xla
@@ -206,6 +208,41 @@ def test_sampler_logprobs_and_routes_match_the_trainer(saved):
   # expert_ids [B, n, L, k]: the experts of the token fed to draw each response token.
   np.testing.assert_array_equal(outs[0].expert_ids, np.asarray(ids)[:, P - 1 :])
   assert outs[0].expert_ids.shape == (2, 8, 3, K) and (outs[0].expert_ids[:, :, 1] == -1).all()
+
+
+def test_paged_engine_matches_the_fixed_batch_sampler(saved):
+  """Continuous batching over the paged cache (each layer's kind picked in its scan) draws what
+  the fixed-batch sampler draws."""
+  from gppo_jax.generation import continuous
+
+  _, path = saved
+  policy = hf_checkpoint.load_model(path)
+  graphdef, params = nnx.split(policy)
+  sp = sampler.SamplingParams(max_new_tokens=6, stop_ids=(), pad_id=0)
+  prompts = [[5, 6, 7, 8, 9], [3, 4], [13, 14, 15]]
+  engine = continuous.ContinuousSampler(
+    graphdef, sp, continuous.EngineConfig(slots=4, page_size=4, chunk=3)
+  )
+  key = jax.random.key(3)
+  got = engine(params, prompts, key, group_size=2)
+  P = engine.stats["prompt_len"]
+  tokens, mask = sampler.left_pad([p for p in prompts for _ in range(2)], pad_id=0, length=P)
+  keys = sampler.row_keys(key, np.repeat(np.arange(3), 2), np.tile(np.arange(2), 3))
+  want = jax.device_get(
+    sampler.sample(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), keys, sp, group_size=2)
+  )
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  # On a mesh with an expert axis: one group of slots per batch shard (data x expert).
+  mesh = sharding.make_mesh({"data": 2, "expert": 2}, jax.devices()[:4])
+  sharded = jax.device_put(params, partitioning.state_shardings(params, mesh))
+  engine = continuous.ContinuousSampler(
+    graphdef, sp, continuous.EngineConfig(slots=8, page_size=4, chunk=3), mesh
+  )
+  got = engine(sharded, prompts, key, group_size=2)
+  assert engine.groups == 4
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
 
 
 @functools.partial(nnx.jit, static_argnums=3)

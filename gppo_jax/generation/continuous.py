@@ -508,7 +508,8 @@ def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotS
 def _admit(graphdef, sp, spread, params, state, *inputs) -> SlotState:
   """`_admit_group` in every group at once (inputs with a leading group axis)."""
   admit = lambda state, *inputs: _admit_group(graphdef, sp, params, state, *inputs)
-  return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+  with model_lib.experts_under_vmap():
+    return _spread_over(spread, jax.vmap(admit)(state, *inputs))
 
 
 def _admit_group(
@@ -569,7 +570,8 @@ def _decode(graphdef, sp, chunk, spread, params, state, page_table, active):
   """`_decode_group` in every group at once (a leading group axis): (state, steps [R])."""
   decode = lambda state, table, active: _decode_group(graphdef, sp, chunk, params, state, table,
                                                       active)  # fmt: skip
-  return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
+  with model_lib.experts_under_vmap():
+    return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
 
 
 def _decode_group(graphdef, sp, chunk, params, state, page_table, active):

@@ -518,7 +518,7 @@ def _sorted_on_shards(cfg, w, x, ids, weights):
   mesh = jax.sharding.get_abstract_mesh()
   axes = () if mesh.empty else partitioning.batch_axes(mesh)
   shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
-  if shards == 1 or B % shards:
+  if shards == 1 or B % shards or getattr(_TRACING, "vmapped", False):
     return sorted_(x, ids, weights, *experts)
   rows = jax.sharding.PartitionSpec(axes)
   whole = jax.sharding.PartitionSpec()
@@ -542,7 +542,14 @@ def _experts_sorted(cfg, w, x, ids, weights):
   order = jnp.argsort(flat, stable=True)  # pair positions grouped by expert
   rows = jnp.take(x, order // k, axis=0)  # [N * k, D]
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-  mm = lambda a, b: _ragged_dot(a, b, sizes, preferred_element_type=f32)
+
+  def mm(a, b):
+    if getattr(_TRACING, "vmapped", False):
+      # Under vmap (`experts_under_vmap`) ragged_dot batches only with its experts batched too:
+      # make them so, by a zero derived from the (batched, finite) rows.
+      b = b + jax.lax.stop_gradient(a[0, 0]).astype(b.dtype) * jnp.zeros((), b.dtype)
+    return _ragged_dot(a, b, sizes, preferred_element_type=f32)
+
   act = (jax.nn.silu(mm(rows, w["moe_gate"])) * mm(rows, w["moe_up"])).astype(x.dtype)
   y = mm(act, w["moe_down"]).astype(x.dtype)  # [N * k, D], sorted
   y = jnp.zeros_like(y).at[order].set(y).reshape(N, k, D)  # token order
@@ -552,22 +559,34 @@ def _experts_sorted(cfg, w, x, ids, weights):
 # XLA runs ragged_dot natively on GPU and TPU; its CPU lowering is dense over the groups (each
 # expert's weights against every row, masked: E times the memory). The planner, which compiles
 # on CPU for those targets, traces under `ragged_dot_stand_in`: one product of the same operand
-# and result shapes (the first expert's weights), as a native ragged_dot holds them.
-_STAND_IN = threading.local()
+# and result shapes (the first expert's weights), as a native ragged_dot holds them. Both flags
+# here are read while tracing (`ragged_dot_stand_in`, `experts_under_vmap`).
+_TRACING = threading.local()
 
 
 @contextlib.contextmanager
 def ragged_dot_stand_in():
   """Within: the sorted dispatch's ragged products traced as `_ragged_dot` describes."""
-  _STAND_IN.on = True
+  _TRACING.on = True
   try:
     yield
   finally:
-    _STAND_IN.on = False
+    _TRACING.on = False
+
+
+@contextlib.contextmanager
+def experts_under_vmap():
+  """Within: the sorted dispatch is traced to run under `jax.vmap` (the continuous engine's
+  leading shard axis), which batches ragged_dot only when its experts are batched as well."""
+  _TRACING.vmapped = True
+  try:
+    yield
+  finally:
+    _TRACING.vmapped = False
 
 
 def _ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
-  if getattr(_STAND_IN, "on", False):
+  if getattr(_TRACING, "on", False):
     return jnp.dot(lhs, rhs[0], preferred_element_type=preferred_element_type)
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
