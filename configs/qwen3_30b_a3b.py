@@ -36,5 +36,4 @@ def get_config(arg=None):
   if variant in MESHES:
     c.mesh.update(dict(data=1, tensor=1, **MESHES[variant]))
   c.rollout.routing_replay = True
-  c.rollout.engine = "fixed"  # the engine that records the experts
   return c

@@ -219,7 +219,7 @@ def base(
   # Mixtures of experts: the sampler records the experts each response token was routed to and
   # the update's forward reuses them (recomputing their weights with the current router), so the
   # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of
-  # (token, layer) pairs whose trainer router would have chosen otherwise. Fixed-batch engine.
+  # (token, layer) pairs whose trainer router would have chosen otherwise. Either engine.
   c.rollout.routing_replay = False
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
@@ -721,11 +721,6 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     problems.append(
       f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
       "(a prompt's samples are admitted together)"
-    )
-  if r.get("routing_replay", False) and r.engine == "continuous":
-    problems.append(
-      "rollout.routing_replay=True: needs rollout.engine='fixed' (or 'auto'): the continuous "
-      "engine does not record the experts"
     )
   if r.correction != "none" and r.recompute_logprobs is not True:
     problems.append(

@@ -113,6 +113,7 @@ class SlotState:
   topk_logprobs: jax.Array | None = None  # float32 [S, N, num_topk]
   topk_ids: jax.Array | None = None  # int32 [S, N, num_topk]
   kept_ids: jax.Array | None = None  # int32 [S, N, kept_width]
+  expert_ids: jax.Array | None = None  # int32 [S, N, num_layers, k] (record_experts)
 
 
 def _pages(n: int, page_size: int) -> int:
@@ -339,14 +340,16 @@ class ContinuousSampler:
     out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
     out_entropy = np.zeros((len(prompts) * G, N), np.float32)
     # Per-token records of some settings (SampleOutput's): name -> the rows' buffer.
+    routes = (model_cfg.num_layers, model_cfg.num_experts_per_tok) if sp.record_experts else ()
     extras = {
-      name: np.full((len(prompts) * G, N, width), fill, dtype)
-      for name, width, fill, dtype in (
-        ("topk_logprobs", sp.num_topk, -np.inf, np.float32),
-        ("topk_ids", sp.num_topk, sp.pad_id, np.int32),
-        ("kept_ids", sp.kept_width, -1, np.int32),
+      name: np.full((len(prompts) * G, N, *shape), fill, dtype)
+      for name, shape, fill, dtype in (
+        ("topk_logprobs", (sp.num_topk,), -np.inf, np.float32),
+        ("topk_ids", (sp.num_topk,), sp.pad_id, np.int32),
+        ("kept_ids", (sp.kept_width,), -1, np.int32),
+        ("expert_ids", routes, -1, np.int32),
       )
-      if width
+      if all(shape) and shape
     }
     out_len = np.zeros(len(prompts) * G, np.int32)
 
@@ -500,6 +503,11 @@ def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotS
     topk_logprobs=jnp.full((S, N, K), -jnp.inf, jnp.float32) if K else None,
     topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
     kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
+    expert_ids=(
+      jnp.full((S, N, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int32)
+      if sp.record_experts
+      else None
+    ),
   )
   return _spread_over(spread, jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), one))
 
@@ -523,7 +531,13 @@ def _admit_group(
   N = sp.max_new_tokens
   positions = model_lib.positions_from_mask(p_mask)
   cache = model_lib.init_cache(model.cfg, m, P)
-  hidden, cache = model(p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0))
+  out = model(
+    p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0),
+    with_routing=sp.record_experts,
+  )  # fmt: skip
+  hidden, cache = out[:2]
+  # The experts of each row's last prompt token: what drew its first response token.
+  route = jnp.repeat(out[2].expert_ids[:, -1], G, axis=0) if sp.record_experts else None
   logits = jnp.repeat(model.logits(hidden[:, -1]).astype(jnp.float32), G, axis=0)  # [m G, V]
   pool = paged.write_prefill(state.pool, cache, p_pages)
   key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
@@ -549,14 +563,16 @@ def _admit_group(
     tokens=put(state.tokens, first(token, sp.pad_id)),
     logprobs=put(state.logprobs, first(logprob, 0.0)),
     entropy=put(state.entropy, first(entropy, 0.0)),
-    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp),
+    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp, route),
   )
 
 
-def _records(state: SlotState, topk, kept, write, sp) -> dict:
-  """The top-K and kept-set buffers with a step's values written by `write(buf, val, fill)`
-  (none where the setting records none)."""
+def _records(state: SlotState, topk, kept, write, sp, route=None) -> dict:
+  """The top-K, kept-set and experts buffers with a step's values written by
+  `write(buf, val, fill)` (none where the setting records none)."""
   out = {}
+  if route is not None:
+    out["expert_ids"] = write(state.expert_ids, route, -1)
   if topk is not None:
     out["topk_logprobs"] = write(state.topk_logprobs, topk[0], -jnp.inf)
     out["topk_ids"] = write(state.topk_ids, topk[1], sp.pad_id)
@@ -584,9 +600,12 @@ def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
   def body(carry):
     i, s = carry
     live = active & ~s.done
-    logits, pool = paged.decode_step(
-      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live
-    )
+    out = paged.decode_step(
+      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live,
+      with_routing=sp.record_experts,
+    )  # fmt: skip
+    logits, pool = out[:2]
+    route = out[2] if sp.record_experts else None
     keys = sampler_lib.step_keys(jax.random.wrap_key_data(s.keys), s.step)
     token, logprob, topk, kept, entropy = sampler_lib._sample_token(logits, keys, sp)
     col = jnp.minimum(s.step, N - 1)
@@ -607,7 +626,7 @@ def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
       tokens=put(s.tokens, token),
       logprobs=put(s.logprobs, logprob),
       entropy=put(s.entropy, entropy),
-      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp),
+      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp, route),
     )
 
   cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)

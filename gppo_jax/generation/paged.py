@@ -156,13 +156,15 @@ def decode_step(
   start: jax.Array,
   length: jax.Array,
   live: jax.Array,
-) -> tuple[jax.Array, PagePool]:
+  with_routing: bool = False,
+) -> tuple[jax.Array, PagePool] | tuple[jax.Array, PagePool, jax.Array]:
   """One token per decode slot through the model over the paged cache.
 
   tokens, positions int32 [S]: the token each slot feeds and its position; length int32 [S]: the
   cache slot it is written to (the slot's filled length); live bool [S]: slots that step (the
   others write to the trash page and their logits are to be ignored). Returns (float32 logits
-  [S, vocab], the pool with the new keys and values).
+  [S, vocab], the pool with the new keys and values), and with with_routing (models with
+  experts) the experts each slot's token chose, int32 [S, num_layers, k].
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
@@ -192,12 +194,15 @@ def decode_step(
 
     local = None if flags is None else flags[l]
     moe = None if kinds is None else kinds[l]
-    x = model_lib.decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
-    return (x, pk, pv), None
+    x, route = model_lib.routed_decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
+    return (x, pk, pv), (route.expert_ids[:, 0] if with_routing else None)
 
   layer_ids = jnp.arange(cfg.num_layers)
-  (x, pk, pv), _ = jax.lax.scan(layer_step, (x, pool.k, pool.v), (model.layers.arrays(), layer_ids))
+  xs = (model.layers.arrays(), layer_ids)
+  (x, pk, pv), routes = jax.lax.scan(layer_step, (x, pool.k, pool.v), xs)
   hidden = model_lib.norm(cfg, x[:, 0], model.final_norm[...])
+  if with_routing:
+    return model.logits(hidden), PagePool(k=pk, v=pv), jnp.moveaxis(routes, 0, 1)
   return model.logits(hidden), PagePool(k=pk, v=pv)
 
 

@@ -417,8 +417,7 @@ def sample_fn(config, graphdef, param_shardings, mesh):
   or continuous batching on the mesh's batch shards; "auto" picks continuous batching from
   `continuous.AUTO_MIN_NEW_TOKENS` new tokens on (`continuous.engine_for`)."""
   r = config.rollout
-  engine = continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens)
-  if engine == "fixed" or r.get("routing_replay", False):  # only it records the experts
+  if continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens) == "fixed":
     return sampler.MeshSampler(graphdef, param_shardings)
   shards = sharding.batch_shards(mesh)
   slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
