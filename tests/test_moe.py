@@ -285,6 +285,15 @@ def test_expert_parallel_equals_unsharded(saved):
   _, path = saved
   mesh = sharding.make_mesh({"expert": 4, "data": 2})
   assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 4}
+  assert sharding.batch_shards(mesh) == 8 and sharding.mesh_shape({"expert": 4, "data": -1}, 8) == (
+    2,
+    1,
+    1,
+    4,
+  )
+  assert sharding.make_mesh({"expert": 1, "data": -1}).axis_names == ("data", "fsdp", "tensor")
+  with pytest.raises(ValueError, match="unknown"):
+    sharding.mesh_shape({"experts": 4}, 8)
   policy = hf_checkpoint.load_model(path, mesh=mesh)
   assert policy.layers.moe_up[...].sharding.spec[1] == "expert"
   plain = hf_checkpoint.load_model(path)
