@@ -324,6 +324,29 @@ def test_expert_parallel_equals_unsharded(saved):
     sharding.check_experts(architectures.get("tiny"), {"expert": 2})
 
 
+def test_mesh_sampler_on_an_expert_mesh_equals_one_device(saved):
+  """The fixed-batch sampler with the experts split over an expert axis (decode steps run each
+  device's own experts) draws the single-device tokens, log-probs and experts."""
+  _, path = saved
+  policy = hf_checkpoint.load_model(path)
+  graphdef, params = nnx.split(policy)
+  mesh = sharding.make_mesh({"expert": 4, "data": 2})
+  shardings = partitioning.state_shardings(params, mesh)
+  sp = sampler.SamplingParams(max_new_tokens=5, stop_ids=(), pad_id=0, record_experts=True)
+  rng = np.random.default_rng(2)
+  prompts = [list(rng.integers(3, 128, size=rng.integers(2, 7))) for _ in range(8)]
+  tokens, mask = sampler.left_pad(prompts, length=8)
+  key = jax.random.key(4)
+  got = sampler.MeshSampler(graphdef, shardings)(
+    jax.device_put(params, shardings), tokens, mask, key, sp
+  )
+  run = jax.jit(sampler.sample, static_argnums=(0, 5))
+  want = jax.device_get(run(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), key, sp))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5)
+  np.testing.assert_array_equal(got.expert_ids, want.expert_ids)
+
+
 def test_bfloat16_stays_finite(saved):
   _, path = saved
   policy = hf_checkpoint.load_model(path, dtype="bfloat16", param_dtype="bfloat16")

@@ -475,7 +475,10 @@ def moe_mlp(cfg, w, h, expert_ids=None, mask=None):
   if cfg.norm_topk_prob:
     top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
   weights = top_p.astype(dt)
-  if cfg.moe_dispatch == "dense":
+  if cfg.moe_dispatch == "dense" or (T == 1 and _experts_split()):
+    # A decode step on an expert mesh: each device runs its own experts on the step's few
+    # tokens (E / k times the FLOPs of the step's expert products, but no experts moved), where
+    # the sorted dispatch would all-gather every layer's experts at every step.
     y = _experts_dense(cfg, w, x, ids, weights)
   else:
     y = _sorted_on_shards(
@@ -499,6 +502,12 @@ def _experts_dense(cfg, w, x, ids, weights):
   y = jnp.einsum("nef,efd->ned", act, w["moe_down"], preferred_element_type=f32)
   combine = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=f32) * weights[..., None], axis=1)
   return jnp.einsum("ne,ned->nd", combine, y.astype(x.dtype).astype(f32))
+
+
+def _experts_split() -> bool:
+  """Whether the ambient mesh splits the experts (an expert axis larger than 1)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.shape.get(partitioning.EXPERT_AXIS, 1) > 1
 
 
 def _sorted_on_shards(cfg, w, x, ids, weights):
