@@ -113,7 +113,7 @@ class SlotState:
   topk_logprobs: jax.Array | None = None  # float32 [S, N, num_topk]
   topk_ids: jax.Array | None = None  # int32 [S, N, num_topk]
   kept_ids: jax.Array | None = None  # int32 [S, N, kept_width]
-  expert_ids: jax.Array | None = None  # int32 [S, N, num_layers, k] (record_experts)
+  expert_ids: jax.Array | None = None  # int16 [S, N, num_layers, k] (record_experts)
 
 
 def _pages(n: int, page_size: int) -> int:
@@ -347,7 +347,7 @@ class ContinuousSampler:
         ("topk_logprobs", (sp.num_topk,), -np.inf, np.float32),
         ("topk_ids", (sp.num_topk,), sp.pad_id, np.int32),
         ("kept_ids", (sp.kept_width,), -1, np.int32),
-        ("expert_ids", routes, -1, np.int32),
+        ("expert_ids", routes, -1, sampler_lib.EXPERT_ID_DTYPE),
       )
       if all(shape) and shape
     }
@@ -504,7 +504,7 @@ def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotS
     topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
     kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
     expert_ids=(
-      jnp.full((S, N, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int32)
+      jnp.full((S, N, cfg.num_layers, cfg.num_experts_per_tok), -1, sampler_lib.EXPERT_ID_DTYPE)
       if sp.record_experts
       else None
     ),

@@ -122,6 +122,11 @@ class SamplingParams:
     return self.top_k if truncated and self.top_k > 0 else 0
 
 
+# The recorded experts' ids (`SampleOutput.expert_ids`): a rollout holds [rows, response tokens,
+# layers, k] of them on the host (Qwen3-30B-A3B: 384 per token).
+EXPERT_ID_DTYPE = jnp.int16
+
+
 @flax.struct.dataclass
 class SampleOutput:
   """Sampled responses, right-padded with pad_id after the stop token.
@@ -134,7 +139,8 @@ class SampleOutput:
   and past the vocabulary (None unless `SamplingParams.kept_width`); entropy: float32 [B, N], the
   entropy of the full tempered distribution softmax(logits / T) (T = 1 when greedy) at each
   token's step (0 where mask is False), so that the policy's entropy is logged with every rollout.
-  expert_ids: int32 [B, N, num_layers, k] (`SamplingParams.record_experts`, models with experts):
+  expert_ids: int16 [B, N, num_layers, k] (`SamplingParams.record_experts`, models with experts:
+  EXPERT_ID_DTYPE, half the host memory of int32 for up to 32767 experts):
   the experts chosen in each layer for the token fed at the step that drew response token n (the
   last prompt token for n = 0, else response token n - 1: the teacher-forced input whose hidden
   state gives token n's log-prob); -1 in dense layers and where mask is False.
@@ -168,7 +174,7 @@ class SamplerState:
   kept_ids: jax.Array | None = None
   entropy: jax.Array | None = None
   limit: jax.Array | None = None  # int32 [B]: each row's own max_new_tokens (row_limits)
-  expert_ids: jax.Array | None = None  # int32 [B, N, num_layers, k] (record_experts)
+  expert_ids: jax.Array | None = None  # int16 [B, N, num_layers, k] (record_experts)
 
 
 def left_pad(
@@ -509,7 +515,7 @@ def sample(
     entropy=jnp.zeros((batch, n), jnp.float32),
     limit=None if row_limits is None else jnp.asarray(row_limits, jnp.int32),
     expert_ids=(
-      jnp.full((batch, n, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int32)
+      jnp.full((batch, n, cfg.num_layers, cfg.num_experts_per_tok), -1, EXPERT_ID_DTYPE)
       if record
       else None
     ),

@@ -49,7 +49,7 @@ class Batch:
   is_weight: Any = None  # float32 [N, R]
   # rollout.routing_replay (mixtures of experts): the experts the sampler routed each response
   # token's input to (`sampler.SampleOutput.expert_ids`), which the update's forward reuses.
-  expert_ids: Any = None  # int32 [N, R, num_layers, k]
+  expert_ids: Any = None  # int16 [N, R, num_layers, k] (sampler.EXPERT_ID_DTYPE)
 
   @property
   def num_rows(self) -> int:
@@ -213,7 +213,7 @@ def abstract_batch(
     topk_ids=s((n, R, K), jnp.int32) if spec.use_topk else None,
     kept_ids=s((n, R, spec.kept_width), jnp.int32) if spec.kept_width else None,
     is_weight=s((n, R), jnp.float32) if spec.is_weight else None,
-    expert_ids=s((n, R, *spec.routing_shape), jnp.int32) if spec.routing_shape else None,
+    expert_ids=s((n, R, *spec.routing_shape), jnp.int16) if spec.routing_shape else None,
   )
 
 
