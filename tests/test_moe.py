@@ -347,6 +347,28 @@ def test_mesh_sampler_on_an_expert_mesh_equals_one_device(saved):
   np.testing.assert_array_equal(got.expert_ids, want.expert_ids)
 
 
+def test_lora_adapts_the_attention_of_a_mixture_of_experts(saved, tmp_path):
+  """LoRA on a mixture of experts: adapters on q, k, v, o only; the merged export is the model
+  the adapters compute, and the PEFT adapter names the attention modules."""
+  _, path = saved
+  policy = hf_checkpoint.load_model(path, lora_rank=2)
+  assert policy.cfg.lora_weights == ("wq", "wk", "wv", "wo")
+  graphdef, params = nnx.split(policy)
+  flat = dict(nnx.to_flat_state(params))
+  b = ("layers", "wq" + model_lib.LORA_B)
+  flat[b] = flat[b].replace(0.3 * jnp.ones_like(flat[b].get_value()))  # adapters that matter
+  policy = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  batch = _batch()
+  logits = np.asarray(_forward(policy, *batch)[0])
+  base = np.asarray(_forward(hf_checkpoint.load_model(path), *batch)[0])
+  mask = batch[1]
+  assert np.abs(logits - base)[mask].max() > 1e-3
+  merged = hf_checkpoint.load_model(hf_checkpoint.save_model(policy, tmp_path / "merged"))
+  np.testing.assert_allclose(np.asarray(_forward(merged, *batch)[0])[mask], logits[mask], atol=1e-4)
+  names = dict(hf_checkpoint.peft_tensors(policy))
+  assert all(".self_attn." in n for n in names) and len(names) == 3 * 4 * 2
+
+
 def test_bfloat16_stays_finite(saved):
   _, path = saved
   policy = hf_checkpoint.load_model(path, dtype="bfloat16", param_dtype="bfloat16")
