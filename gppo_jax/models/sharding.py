@@ -3,14 +3,15 @@
 The shell calls these in order:
 
   maybe_initialize_distributed()             # multi-host: before any other jax call
-  mesh = make_mesh(config.mesh)              # axes data x fsdp x tensor (-1 = the rest)
+  mesh = make_mesh(config.mesh)              # data x fsdp x tensor [x expert] (-1 = the rest)
   shardings = state_shardings(state, mesh)   # params by logical axes, optimizer state mirrors them
   state = jax.device_put(state, shardings)
   update = jit_update(update_fn, shardings, batch_shardings(batch, mesh))
   state, metrics = update(state, shard_batch(batch_np, mesh), rng)
 
 Parameters are placed by the logical-axis rules of `partitioning.py`; batches are split on their
-leading axis over `partitioning.BATCH_AXES` (data x fsdp). Meshes use Auto axes: XLA propagates the
+leading axis over `partitioning.BATCH_AXES` (data x fsdp, x expert where the mesh has it: a
+mixture of experts' expert parallelism). Meshes use Auto axes: XLA propagates the
 activation shardings from parameters and batch, and `partitioning.constrain_batch` pins a
 batch-major activation where propagation alone would replicate it (e.g. after the minibatch
 shuffle, a gather). Sampling on the mesh is `sampler.MeshSampler`, built on the helpers here.
@@ -183,8 +184,9 @@ def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = N
 
 
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:
-  """NamedSharding pytree for a batch: leading axis over data x fsdp (axes that do not divide it
-  are dropped), scalars replicated. `batch` may hold arrays or ShapeDtypeStructs."""
+  """NamedSharding pytree for a batch: leading axis over data x fsdp x expert (axes that are
+  absent or do not divide it are dropped), scalars replicated. `batch` may hold arrays or
+  ShapeDtypeStructs."""
   return jax.tree.map(
     lambda x: NamedSharding(mesh, partitioning.batch_spec(np.shape(x), mesh)), batch
   )
