@@ -200,11 +200,15 @@ def base(
   # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
   # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
   # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
+  # `paged_attention`: how its decode steps attend over the pages: "gather" (any backend),
+  # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, one batch shard; local layers
+  # still gather) or "auto" (pallas on TPU where it fits, generation/paged.py).
   c.rollout.engine = "auto"
   c.rollout.slots = 0
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
   c.rollout.decode_chunk = 32
+  c.rollout.paged_attention = "auto"
   c.rollout.correction = "none"
   c.rollout.correction_level = "token"
   c.rollout.correction_cap = 2.0
@@ -503,7 +507,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
   imports this module)."""
   from gppo_jax.algorithm import objective
   from gppo_jax.data import tasks
-  from gppo_jax.generation import continuous
+  from gppo_jax.generation import continuous, paged
   from gppo_jax.models import architectures, sharding
   from gppo_jax.rewards import math_reward
 
@@ -582,6 +586,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.page_size", Int(1)),
     ("rollout.kv_pages", Int(0)),
     ("rollout.decode_chunk", Int(1)),
+    ("rollout.paged_attention", OneOf(paged.ATTENTION)),
     ("rollout.correction", OneOf(correction.CORRECTIONS)),
     ("rollout.correction_level", OneOf(correction.LEVELS)),
     ("rollout.correction_cap", Range(1, lo_open=True)),
@@ -721,6 +726,12 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     problems.append(
       f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
       "(a prompt's samples are admitted together)"
+    )
+  if r.get("paged_attention") == "pallas" and c.model.dtype != "bfloat16":
+    problems.append(
+      f"rollout.paged_attention='pallas': the kernel rounds keys and values to bfloat16, and "
+      f"model.dtype={c.model.dtype!r} keeps a {c.model.dtype} cache (use model.dtype="
+      "'bfloat16', or paged_attention 'gather' or 'auto')"
     )
   if r.correction != "none" and r.recompute_logprobs is not True:
     problems.append(

@@ -427,6 +427,7 @@ def sample_fn(config, graphdef, param_shardings, mesh):
       f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
     )
   engine = continuous.EngineConfig(
-    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk
-  )
+    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk,
+    attention=r.get("paged_attention", "auto"),
+  )  # fmt: skip
   return continuous.EngineSampler(graphdef, engine, mesh)
