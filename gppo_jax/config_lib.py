@@ -143,6 +143,13 @@ def base(
   # `targets` are trained: y = x W + (alpha / r) dropout(x) A B. The base weights stay frozen
   # (in model.param_dtype) and out of the optimizer state and checkpoints; the KL reference is
   # the base with the adapters off. Export writes the merged model and a PEFT adapter folder.
+  # Mixtures of experts (Qwen3-MoE): the weight of the router's load-balancing loss in the loss
+  # (0: off; transformers' router_aux_loss_coef is 0.001, for pretraining: an RL fine-tune of a
+  # balanced router leaves it off), logged as moe/aux_loss either way; how the experts run
+  # (architectures.MOE_DISPATCH: "sorted", or "dense", every expert on every token).
+  c.model.moe = ml_collections.ConfigDict()
+  c.model.moe.aux_loss_coef = 0.0
+  c.model.moe.dispatch = "sorted"
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0
   c.model.lora.alpha = 16.0
@@ -193,11 +200,15 @@ def base(
   # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
   # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
   # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
+  # `paged_attention`: how its decode steps attend over the pages: "gather" (any backend),
+  # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, one batch shard; local layers
+  # still gather) or "auto" (pallas on TPU where it fits, generation/paged.py).
   c.rollout.engine = "auto"
   c.rollout.slots = 0
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
   c.rollout.decode_chunk = 32
+  c.rollout.paged_attention = "auto"
   c.rollout.correction = "none"
   c.rollout.correction_level = "token"
   c.rollout.correction_cap = 2.0
@@ -209,6 +220,11 @@ def base(
   # (the initial one while t < k), so even the first update step is off-policy. Keeps k copies of
   # the parameters (saved in checkpoints). 0 = on-policy sampling. docs/guide.md "Training".
   c.rollout.staleness = 0
+  # Mixtures of experts: the sampler records the experts each response token was routed to and
+  # the update's forward reuses them (recomputing their weights with the current router), so the
+  # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of
+  # (token, layer) pairs whose trainer router would have chosen otherwise. Either engine.
+  c.rollout.routing_replay = False
 
   # The fields of objective.LossConfig, exactly (the trainer reads them with
   # LossConfig.from_config; config files write a preset's with use_settings).
@@ -313,6 +329,9 @@ def base(
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # Expert parallelism (mixtures of experts): the experts split over this many devices, which
+  # also split the batch; 1 = no expert axis in the mesh. Must divide the model's num_experts.
+  c.mesh.expert = 1
 
   if "smoke" in args:
     c.iterations = 3
@@ -479,7 +498,7 @@ def _valid_seeds(x) -> bool:
 
 
 # Sections that configs built before them may lack: their fields are then not checked.
-OPTIONAL_SECTIONS = ("profile", "model.lora")
+OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe")
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -488,7 +507,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
   imports this module)."""
   from gppo_jax.algorithm import objective
   from gppo_jax.data import tasks
-  from gppo_jax.generation import continuous
+  from gppo_jax.generation import continuous, paged
   from gppo_jax.models import architectures, sharding
   from gppo_jax.rewards import math_reward
 
@@ -526,6 +545,8 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("model.cpu_matmul", OneOf(sharding.CPU_MATMULS)),
     ("model.export_hf", Flag()),
     ("model.lora.rank", Int(0)),
+    ("model.moe.aux_loss_coef", Range(0)),
+    ("model.moe.dispatch", OneOf(architectures.MOE_DISPATCH)),
     ("model.lora.alpha", Range(0, lo_open=True, note=" (the adapters' scale is alpha / rank)")),
     (
       "model.lora.targets",
@@ -565,12 +586,14 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.page_size", Int(1)),
     ("rollout.kv_pages", Int(0)),
     ("rollout.decode_chunk", Int(1)),
+    ("rollout.paged_attention", OneOf(paged.ATTENTION)),
     ("rollout.correction", OneOf(correction.CORRECTIONS)),
     ("rollout.correction_level", OneOf(correction.LEVELS)),
     ("rollout.correction_cap", Range(1, lo_open=True)),
     ("rollout.mismatch_threshold", Range(0, lo_open=True)),
     ("rollout.refill_rounds", Int(0)),
     ("rollout.staleness", Int(0)),
+    ("rollout.routing_replay", Flag()),
     # Loss.
     ("loss.delta_low", radius),
     ("loss.delta_high", radius),
@@ -704,6 +727,12 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
       "(a prompt's samples are admitted together)"
     )
+  if r.get("paged_attention") == "pallas" and c.model.dtype != "bfloat16":
+    problems.append(
+      f"rollout.paged_attention='pallas': the kernel rounds keys and values to bfloat16, and "
+      f"model.dtype={c.model.dtype!r} keeps a {c.model.dtype} cache (use model.dtype="
+      "'bfloat16', or paged_attention 'gather' or 'auto')"
+    )
   if r.correction != "none" and r.recompute_logprobs is not True:
     problems.append(
       f"rollout.correction={r.correction!r}: needs rollout.recompute_logprobs=True (it weighs "
@@ -795,6 +824,7 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict[str, Any]:
     attention=m.get("attention", "auto"),
     scan_layers=m.get("scan_layers", True),
     **lora_overrides(c),
+    **({"moe_dispatch": m.moe.dispatch} if m.get("moe") is not None else {}),
   )
 
 

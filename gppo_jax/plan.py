@@ -137,26 +137,39 @@ def update_setup(config, model_cfg: architectures.ModelConfig, prompt_len: int, 
   graphdef = model_lib.abstract_graphdef(model_cfg)
   tx = train_step.optimizer_from_config(config)
   state = train_step.abstract_train_state(model_cfg, tx)
-  spec = train_step.update_spec_from_config(config, prompt_len, resp_len)
+  spec = train_step.update_spec_from_config(config, prompt_len, resp_len, model_cfg)
   return train_step.make_update_fn(graphdef, tx, spec), state, spec
 
 
 # --- Accounting --------------------------------------------------------------------------------
 
 
+def active_layer_params(cfg: architectures.ModelConfig) -> int:
+  """The parameters of the decoder layers one token's matmuls use: attention, and the dense MLP
+  or, in an expert layer, the router and num_experts_per_tok experts (sum over the layers)."""
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  attn = D * (q + 2 * kv) + q * D + (q + 2 * kv if cfg.attention_bias else 0)
+  total = 0
+  for l in range(cfg.num_layers):
+    if cfg.layer_is_moe(l):
+      mlp = D * cfg.num_experts + 3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    else:
+      mlp = 3 * D * F
+    total += attn + mlp
+  return total
+
+
 def update_flops(cfg: architectures.ModelConfig, rows: int, length: int, response: int) -> float:
   """Model FLOPs of one optimizer step (forward + backward, no recomputation) on `rows`
   sequences of `length` tokens whose last `response` tokens carry the loss: 6 x (layer
-  parameters) per token, 6 x (LM head) per response token (the head runs on those only), and
-  causal attention's two matmuls: 12 x heads x head_dim per query and key, forward and backward,
-  over the lower triangle (token t attends to t keys), i.e. 6 x T x heads x head_dim per token
-  and layer on average."""
-  D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  layer = D * (q + 2 * kv) + q * D + 3 * D * F
-  if cfg.attention_bias:
-    layer += q + 2 * kv
-  body = 6 * layer * L * rows * length
+  parameters a token uses: `active_layer_params`) per token, 6 x (LM head) per response token
+  (the head runs on those only), and causal attention's two matmuls: 12 x heads x head_dim per
+  query and key, forward and backward, over the lower triangle (token t attends to t keys), i.e.
+  6 x T x heads x head_dim per token and layer on average."""
+  D, L = cfg.hidden_size, cfg.num_layers
+  q = cfg.num_heads * cfg.head_dim
+  body = 6 * active_layer_params(cfg) * rows * length
   head = 6 * D * cfg.vocab_size * rows * response
   attn = 6 * q * L * rows * length * (length + 1)
   return float(body + head + attn)
@@ -172,8 +185,9 @@ def per_device_bytes(tree: Any, shardings: Any) -> int:
 
 
 def kv_cache_bytes(cfg: architectures.ModelConfig, mesh, batch: int, length: int) -> int:
-  """Per-device bytes of the sampler's KV cache, batch over data x fsdp, kv heads over tensor."""
-  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  """Per-device bytes of the sampler's KV cache, batch over data x fsdp (x expert), kv heads
+  over tensor."""
+  dp = sharding.batch_shards(mesh)
   rows = -(-batch // dp) if batch % dp == 0 else batch
   heads = cfg.num_kv_heads
   if heads % mesh.shape["tensor"] == 0:
@@ -213,13 +227,16 @@ def analytic_activation_bytes(
   7B math config with 16k-token responses on a v5p-64 estimates 35.7 GiB against the compiled
   57.3 GiB. Prefer the compiled figure (the default) for long responses.
   """
-  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  dp = sharding.batch_shards(mesh)
   tp = mesh.shape["tensor"]
   micro = micro_batch_rows(n, spec)
   rows = max(1, micro // dp)
   remat = architectures.layer_plan(cfg, micro, seq, backend)[0]  # "auto" as the model runs it
   item = np.dtype(cfg.compute_dtype).itemsize
   d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  if cfg.is_moe:  # per token: its k experts' intermediates, the dispatch's k copies of its row
+    f = max(f if cfg.has_dense_mlp else 0, cfg.num_experts_per_tok * cfg.moe_intermediate_size)
+    f += cfg.num_experts_per_tok * d // 3
   heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
   kv = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
   tokens = rows * seq
@@ -282,8 +299,16 @@ def plan(
   for devices of `backend` (tpu, gpu, cpu: what model.attention="auto" resolves to there)."""
   mesh = sharding.make_mesh(dict(mesh_cfg or config.mesh), devices)
   cfg, _ = model_config(config)
+  sharding.check_experts(cfg, mesh.shape)
   n, p, r = rollout_shape(config)
   notes = []
+  if cfg.is_moe:
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    active = active_layer_params(cfg) + embeddings
+    notes.append(
+      f"mixture of experts: {cfg.num_experts} experts, {cfg.num_experts_per_tok} per token "
+      f"({active / 1e9:.2f}B parameters active per token)"
+    )
   impl = attention_impl(cfg, p + r - 1, backend)
   # remat "auto" as the target resolves it, for the stand-ins below (a CPU target's compile
   # resolves it itself, the same way).
@@ -325,7 +350,7 @@ def plan(
   params = params * copies + frozen
   resident = params + optimizer
   kv = kv_cache_bytes(cfg, mesh, n, p + r)
-  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  dp = sharding.batch_shards(mesh)
   decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
   source = "analytic"
   trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
@@ -334,7 +359,8 @@ def plan(
   update_peak = resident + batch_bytes + activations
   if compile:
     try:
-      stats = compiled_update_memory(update_fn, state, batch, mesh)
+      with model_lib.ragged_dot_stand_in():  # as GPU / TPU run the experts' products
+        stats = compiled_update_memory(update_fn, state, batch, mesh)
       activations = int(stats.temp_size_in_bytes)
       live_args = (
         stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -392,8 +418,9 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """'fsdp=8,tensor=1' -> {'fsdp': 8, 'tensor': 1, 'data': 1} (unnamed axes are 1)."""
-  out = {"data": 1, "fsdp": 1, "tensor": 1}
+  """'fsdp=8,tensor=1' -> {'fsdp': 8, 'tensor': 1, 'data': 1, 'expert': 1} (unnamed axes are
+  1)."""
+  out = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
   for part in filter(None, (s.strip() for s in text.split(","))):
     name, eq, value = part.partition("=")
     if not eq or name not in out:

@@ -191,7 +191,10 @@ def _set_up(
   sampling = experiment.sampling_params(
     config, env, stop_ids=tuple(model_cfg.eos_token_ids), pad_id=model_cfg.pad_token_id
   )
-  spec = train_step.update_spec_from_config(config, env.max_prompt_len, sampling.max_new_tokens)
+  spec = train_step.update_spec_from_config(
+    config, env.max_prompt_len, sampling.max_new_tokens, model_cfg
+  )
+  sharding.check_experts(model_cfg, mesh.shape)
   # The batch's structure (which optional fields it carries) fixes the compiled functions.
   r = config.rollout
   batch = train_step.abstract_batch(

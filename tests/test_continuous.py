@@ -42,8 +42,8 @@ def test_paged_attention_matches_dense_attention():
   rng = np.random.default_rng(0)
   S, H, K, Dh, ps, L, pages_per_row = 5, 4, 2, 8, 4, 2, 6
   num_pages = 1 + S * pages_per_row
-  pool_k = jnp.asarray(rng.normal(size=(L, num_pages, ps, K, Dh)), jnp.float32)
-  pool_v = jnp.asarray(rng.normal(size=(L, num_pages, ps, K, Dh)), jnp.float32)
+  pool_k = jnp.asarray(rng.normal(size=(K, L, num_pages, ps, Dh)), jnp.float32)
+  pool_v = jnp.asarray(rng.normal(size=(K, L, num_pages, ps, Dh)), jnp.float32)
   table = 1 + rng.permutation(S * pages_per_row).reshape(S, pages_per_row)  # scattered pages
   start = jnp.asarray(rng.integers(0, 5, S), jnp.int32)
   query_slot = jnp.asarray(rng.integers(5, ps * pages_per_row, S), jnp.int32)
@@ -51,8 +51,9 @@ def test_paged_attention_matches_dense_attention():
   layer = 1
   got = paged.paged_attention(q, pool_k, pool_v, layer, jnp.asarray(table), start, query_slot)
   # Dense reference: each row's logical cache gathered whole, masked to [start, query_slot].
-  keys = pool_k[layer][table].reshape(S, pages_per_row * ps, K, Dh)
-  values = pool_v[layer][table].reshape(S, pages_per_row * ps, K, Dh)
+  rows = lambda x: jnp.moveaxis(x[:, layer][:, table], 0, -2)  # [S, pages, ps, K, Dh]
+  keys = rows(pool_k).reshape(S, pages_per_row * ps, K, Dh)
+  values = rows(pool_v).reshape(S, pages_per_row * ps, K, Dh)
   slots = jnp.arange(pages_per_row * ps)
   allowed = (slots[None] >= start[:, None]) & (slots[None] <= query_slot[:, None])
   want = attention.dense(q, keys, values, allowed[:, None, :])

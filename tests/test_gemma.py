@@ -104,11 +104,11 @@ def test_windowed_paths_read_only_the_window():
   pages = T // ps + 1
   pad = lambda x: jnp.pad(x, ((0, 0), (0, pages * ps - T), (0, 0), (0, 0)))
   table = 1 + np.random.default_rng(0).permutation(B * pages).reshape(B, pages)
-  pool = lambda x: (
+  pool = lambda x: jnp.moveaxis(
     jnp.zeros((1 + B * pages, ps, *x.shape[2:])).at[table.reshape(-1)].set(
       pad(x).reshape(B * pages, ps, *x.shape[2:])
-    )[None]
-  )  # fmt: skip
+    ), 2, 0
+  )[:, None]  # [K, 1 layer, pages, ps, Dh]  # fmt: skip
   start = jnp.asarray(np.argmax(np.asarray(mask), axis=1), jnp.int32)
   i = T - 1
   got = paged.paged_attention(

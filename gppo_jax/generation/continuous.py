@@ -73,18 +73,25 @@ class EngineConfig:
   pages (page 0 is reserved); None sizes it for every slot holding its prompt's share and a third
   of max_new_tokens (rollouts whose responses run longer on average preempt and regenerate rows,
   counted in `ContinuousSampler.stats`: then raise it). chunk: decode steps per call (a finished
-  row idles until its chunk ends). prefill_rows: the most prompts prefilled in one call."""
+  row idles until its chunk ends). prefill_rows: the most prompts prefilled in one call.
+  attention: how decode steps attend over the pages (`paged.ATTENTION`, `paged.resolve_attention`):
+  "gather", "pallas" (JAX's TPU kernel) or "auto" (pallas on TPU where it is exact and fits)."""
 
   slots: int = 64
   page_size: int = 16
   num_pages: int | None = None
   chunk: int = 32
   prefill_rows: int = 8
+  attention: str = "auto"
 
   def __post_init__(self):
     for name in ("slots", "page_size", "chunk", "prefill_rows"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.attention not in paged.ATTENTION:
+      raise ValueError(
+        f"EngineConfig.attention={self.attention!r}; valid: {', '.join(paged.ATTENTION)}"
+      )
     if self.num_pages is not None and self.num_pages < 2:
       raise ValueError(
         f"EngineConfig.num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}"
@@ -95,8 +102,8 @@ class EngineConfig:
 class SlotState:
   """The decode slots of one shard's group on device (the engine holds R groups stacked on a
   leading axis). length: cache slots filled (where the next fed token goes); start: the first
-  real cache slot (after the prompt's left padding); step: response tokens drawn; keys: the row
-  keys' data."""
+  real cache slot (after the prompt's left padding; 0 in the pallas layout, `paged`); step:
+  response tokens drawn; keys: the row keys' data."""
 
   pool: paged.PagePool
   last_token: jax.Array  # int32 [S]
@@ -113,6 +120,7 @@ class SlotState:
   topk_logprobs: jax.Array | None = None  # float32 [S, N, num_topk]
   topk_ids: jax.Array | None = None  # int32 [S, N, num_topk]
   kept_ids: jax.Array | None = None  # int32 [S, N, kept_width]
+  expert_ids: jax.Array | None = None  # int16 [S, N, num_layers, k] (record_experts)
 
 
 def _pages(n: int, page_size: int) -> int:
@@ -141,9 +149,13 @@ class _GroupPages:
   def free(self, group: int) -> int:
     return len(self.tables[group].free)
 
-  def take_prompt(self, slots: Sequence[int]) -> list[int]:
+  def take_prompt(self, slots: Sequence[int], count: int | None = None) -> list[int]:
     table, _ = self._at(slots[0])
-    return table.take_prompt([self._at(s)[1] for s in slots])
+    return table.take_prompt([self._at(s)[1] for s in slots], count)
+
+  def page(self, slot: int, index: int) -> int:
+    table, local = self._at(slot)
+    return int(table.table[local, index])
 
   def wanted(self, slot: int, upto: int) -> int:
     table, local = self._at(slot)
@@ -201,11 +213,29 @@ class ContinuousSampler:
       else jax.sharding.NamedSharding(mesh, partitioning.batch_spec((self.groups,), mesh))
     )
     self.stats: dict[str, float] = {}
+    self.attention: str | None = None  # what EngineConfig.attention resolved to, once called
 
-  def pool_pages(self, prompt_len: int, group_size: int) -> int:
+  def _attention(self, model_cfg) -> str:
+    """What EngineConfig.attention runs (`paged.resolve_attention`). The kernel runs with one
+    slot group only (no mesh, or one batch shard): the groups' decode is vmapped over a sharded
+    leading axis, and a Pallas call on it would need a shard_map of its own."""
+    e = self.engine
+    impl = paged.resolve_attention(e.attention, model_cfg, e.page_size)
+    if impl == "pallas" and self.groups > 1:
+      if e.attention == "pallas":
+        raise ValueError(
+          f"EngineConfig.attention='pallas' runs on one batch shard only; this mesh has "
+          f"{self.groups} ({dict(self.mesh.shape)}): use 'gather' or 'auto'"
+        )
+      impl = "gather"
+    self.attention = impl
+    return impl
+
+  def pool_pages(self, prompt_len: int, group_size: int, attention: str = "gather") -> int:
     """Pages of each group's pool: EngineConfig.num_pages split over the groups, or enough for
-    each slot's prompt share and a third of max_new_tokens, and never fewer than one whole row
-    needs."""
+    each slot's prompt share and a third of max_new_tokens (with attention "pallas", one more
+    page per slot: its copy of its prompt's partial last page), and never fewer than one whole
+    row needs."""
     e, n = self.engine, self.sampling.max_new_tokens
     row = _pages(prompt_len + n - 1, e.page_size)
     if e.num_pages is not None:
@@ -219,7 +249,8 @@ class ContinuousSampler:
       return pages
     S = self.per_group
     prompts = _pages(S, group_size) * (prompt_len // e.page_size)
-    return 1 + max(row, prompts + S * _pages(n // 3 + e.chunk, e.page_size))
+    own = _pages(n // 3 + e.chunk, e.page_size) + (attention == "pallas")
+    return 1 + max(row, prompts + S * own)
 
   def _put(self, tree):
     """Host arrays with a leading group axis -> device arrays placed like the state (each
@@ -231,11 +262,13 @@ class ContinuousSampler:
       lambda x: jax.make_array_from_process_local_data(self._spread, np.asarray(x)[rows]), tree
     )
 
-  def _admit_units(self, params, state, units, pages, tokens, mask, key_data, limits, G):
+  def _admit_units(self, params, state, units, pages, tokens, mask, key_data, limits, G, ends):
     """Prefills `units` ((prompt, sample ids, slots) each; a unit's slots in one group) in one
     call, each group's padded to the same power of two of prompts (dummy prompts write to the
-    trash page and start no slot)."""
-    sp, R, Sg = self.sampling, self.groups, self.per_group
+    trash page and start no slot). ends: each prompt's last cache slot + 1 (P, or its length in
+    the pallas layout: then its full pages are shared and each slot gets its own first page,
+    which takes the prompt's partial last page)."""
+    sp, R, Sg, ps = self.sampling, self.groups, self.per_group, self.engine.page_size
     P = tokens.shape[1]
     by_group = [[u for u in units if pages.group(u[2][0]) == r] for r in range(R)]
     m = 1 << (max(map(len, by_group)) - 1).bit_length()
@@ -246,16 +279,22 @@ class ContinuousSampler:
     slot_ids = np.full((R, m, G), Sg, np.int32)  # Sg: out of range, dropped
     row_keys = np.zeros((R, m, G, *key_data.shape[1:]), key_data.dtype)
     lim = np.ones((R, m, G), np.int32)
+    p_tail = np.full((R, m, G), paged.TRASH_PAGE, np.int32)
     for r, group_units in enumerate(by_group):
       for u, (prompt, samples, slots) in enumerate(group_units):
         p_tok[r, u], p_mask[r, u] = tokens[prompt], mask[prompt]
-        p_pages[r, u] = pages.take_prompt(slots)
+        end = int(ends[prompt])
+        p_pages[r, u, : end // ps] = pages.take_prompt(slots, end // ps)
+        if end % ps:
+          for j, slot in enumerate(slots):
+            pages.grow(slot, end)
+            p_tail[r, u, j] = pages.page(slot, end // ps)
         rows = [prompt * G + j for j in samples]
         slot_ids[r, u, : len(slots)] = [s % Sg for s in slots]
         row_keys[r, u, : len(slots)] = key_data[rows]
         lim[r, u, : len(slots)] = limits[rows]
-    inputs = self._put((p_tok, p_mask, p_pages, slot_ids, row_keys, lim))
-    return _admit(self.graphdef, sp, self._spread, params, state, *inputs)
+    inputs = self._put((p_tok, p_mask, p_pages, slot_ids, row_keys, lim, p_tail))
+    return _admit(self.graphdef, sp, self._spread, self.attention, params, state, *inputs)
 
   def _init(self, model_cfg, num_pages, key_shape) -> SlotState:
     e, sp = self.engine, self.sampling
@@ -269,9 +308,10 @@ class ContinuousSampler:
     page: what a benchmark or a first rollout would otherwise compile as it goes."""
     e, sp, R = self.engine, self.sampling, self.groups
     P = -(-prompt_len // e.page_size) * e.page_size
-    num_pages = self.pool_pages(P, group_size)
-    max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
     cfg = _model_cfg(self.graphdef, params)
+    impl = self._attention(cfg)
+    num_pages = self.pool_pages(P, group_size, impl)
+    max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
     params = _in_compute_dtype(params, cfg.compute_dtype)
     key_shape = jax.random.key_data(jax.random.key(0)).shape
     state = self._init(cfg, num_pages, key_shape)
@@ -282,8 +322,9 @@ class ContinuousSampler:
         np.zeros((R, m, P // e.page_size), np.int32),
         np.full((R, m, group_size), self.per_group, np.int32),
         np.zeros((R, m, group_size, *key_shape), np.uint32), np.ones((R, m, group_size), np.int32),
+        np.zeros((R, m, group_size), np.int32),
       ))  # fmt: skip
-      state = _admit(self.graphdef, sp, self._spread, params, state, *inputs)
+      state = _admit(self.graphdef, sp, self._spread, impl, params, state, *inputs)
       if m >= e.prefill_rows:
         break
       m *= 2
@@ -291,7 +332,7 @@ class ContinuousSampler:
       (np.zeros((R, self.per_group, max_pages), np.int32), np.zeros((R, self.per_group), bool))
     )
     jax.block_until_ready(
-      _decode(self.graphdef, sp, e.chunk, self._spread, params, state, table, active)
+      _decode(self.graphdef, sp, e.chunk, self._spread, impl, params, state, table, active)
     )
 
   def __call__(
@@ -329,9 +370,12 @@ class ContinuousSampler:
       limits = np.asarray(row_limits, np.int32).reshape(-1)
       if limits.shape != (len(prompts) * G,) or limits.min() < 1 or limits.max() > N:
         raise ValueError(f"row_limits: one limit in [1, {N}] per row ({len(prompts) * G} rows)")
-    num_pages = self.pool_pages(P, G)
-    max_pages = _pages(P + N - 1, ps)
     model_cfg = _model_cfg(self.graphdef, params)
+    impl = self._attention(model_cfg)
+    num_pages = self.pool_pages(P, G, impl)
+    max_pages = _pages(P + N - 1, ps)
+    # Each prompt's last cache slot + 1: P (left-padded), or its length in the pallas layout.
+    ends = mask.sum(axis=1).astype(np.int64) if impl == "pallas" else np.full(len(prompts), P)
     params = _in_compute_dtype(params, model_cfg.compute_dtype)
     state = self._init(model_cfg, num_pages, key_data.shape[1:])
 
@@ -339,14 +383,16 @@ class ContinuousSampler:
     out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
     out_entropy = np.zeros((len(prompts) * G, N), np.float32)
     # Per-token records of some settings (SampleOutput's): name -> the rows' buffer.
+    routes = (model_cfg.num_layers, model_cfg.num_experts_per_tok) if sp.record_experts else ()
     extras = {
-      name: np.full((len(prompts) * G, N, width), fill, dtype)
-      for name, width, fill, dtype in (
-        ("topk_logprobs", sp.num_topk, -np.inf, np.float32),
-        ("topk_ids", sp.num_topk, sp.pad_id, np.int32),
-        ("kept_ids", sp.kept_width, -1, np.int32),
+      name: np.full((len(prompts) * G, N, *shape), fill, dtype)
+      for name, shape, fill, dtype in (
+        ("topk_logprobs", (sp.num_topk,), -np.inf, np.float32),
+        ("topk_ids", (sp.num_topk,), sp.pad_id, np.int32),
+        ("kept_ids", (sp.kept_width,), -1, np.int32),
+        ("expert_ids", routes, -1, sampler_lib.EXPERT_ID_DTYPE),
       )
-      if width
+      if all(shape) and shape
     }
     out_len = np.zeros(len(prompts) * G, np.int32)
 
@@ -354,13 +400,15 @@ class ContinuousSampler:
     active = np.zeros(S, bool)  # global slot ids: group * slots per group + local slot
     done = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
     length = np.zeros(S, np.int32)  # cache slots filled
+    slot_end = np.zeros(S, np.int64)  # cache slots a slot may ever fill
     slot_row = np.full(S, -1)  # the output row a slot generates
     slot_order = np.zeros(S, np.int64)  # admission order: the latest are preempted first
     pending = collections.deque((i, list(range(G))) for i in range(len(prompts)))
     counters = collections.Counter()
     peak_pages = 0
-    chunk_end = lambda slot: min(int(length[slot]) + e.chunk, P + N - 1)  # slots it may write
-    first = -(-min(P + e.chunk, P + N - 1) // ps) - P // ps  # a new row's first pages
+    chunk_end = lambda slot: min(int(length[slot]) + e.chunk, int(slot_end[slot]))  # may write
+    # A new row's own pages for its first chunk (after its prompt's shared ones).
+    first = lambda end: -(-min(end + e.chunk, end + N - 1) // ps) - end // ps
     group_slots = lambda r: range(r * self.per_group, (r + 1) * self.per_group)
     flat = lambda x: np.asarray(x).reshape(S, *np.shape(x)[2:])  # [R, S/R, ...] -> [S, ...]
 
@@ -381,7 +429,8 @@ class ContinuousSampler:
       units, admitted = [], [0] * R
       while pending:
         prompt, samples = pending[0]
-        need = P // ps + len(samples) * first
+        end = int(ends[prompt])
+        need = end // ps + len(samples) * first(end)
         fits = [
           r for r in range(R)
           if len(samples) <= len(free_slots[r]) and need <= budget[r]
@@ -395,10 +444,13 @@ class ContinuousSampler:
         admitted[r] += 1
         units.append((prompt, samples, [int(free_slots[r].pop(0)) for _ in samples]))
       if units:
-        state = self._admit_units(params, state, units, pages, tokens, mask, key_data, limits, G)
+        state = self._admit_units(
+          params, state, units, pages, tokens, mask, key_data, limits, G, ends
+        )
         for prompt, samples, slots in units:
           for sample, slot in zip(samples, slots, strict=True):
-            active[slot], done[slot], length[slot] = True, False, P
+            active[slot], done[slot], length[slot] = True, False, ends[prompt]
+            slot_end[slot] = ends[prompt] + N - 1
             slot_row[slot], slot_order[slot] = prompt * G + sample, counters["admitted"]
             counters["admitted"] += 1
         counters["prefill_calls"] += 1
@@ -422,7 +474,9 @@ class ContinuousSampler:
 
       # 3. Decode a chunk, then collect the rows that stopped.
       table, live = self._put((pages.table, active.reshape(R, -1)))
-      state, steps = _decode(self.graphdef, sp, e.chunk, self._spread, params, state, table, live)
+      state, steps = _decode(
+        self.graphdef, sp, e.chunk, self._spread, impl, params, state, table, live
+      )
       done, filled, steps = sharding.to_host((state.done, state.length, steps))
       done, length[:] = flat(done).copy(), flat(filled)
       counters["decode_calls"] += 1
@@ -500,31 +554,50 @@ def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotS
     topk_logprobs=jnp.full((S, N, K), -jnp.inf, jnp.float32) if K else None,
     topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
     kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
+    expert_ids=(
+      jnp.full((S, N, cfg.num_layers, cfg.num_experts_per_tok), -1, sampler_lib.EXPERT_ID_DTYPE)
+      if sp.record_experts
+      else None
+    ),
   )
   return _spread_over(spread, jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), one))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _admit(graphdef, sp, spread, params, state, *inputs) -> SlotState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _admit(graphdef, sp, spread, impl, params, state, *inputs) -> SlotState:
   """`_admit_group` in every group at once (inputs with a leading group axis)."""
-  admit = lambda state, *inputs: _admit_group(graphdef, sp, params, state, *inputs)
-  return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+  admit = lambda state, *inputs: _admit_group(graphdef, sp, impl, params, state, *inputs)
+  with model_lib.experts_under_vmap():
+    return _spread_over(spread, jax.vmap(admit)(state, *inputs))
 
 
 def _admit_group(
-  graphdef, sp, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, limits
+  graphdef, sp, impl, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, limits, p_tail
 ) -> SlotState:
   """Prefills m prompts into one group's pages and starts their rows (slot_ids [m, G],
-  out-of-range ids dropped): the first token of each row drawn from the prompt's last logits."""
+  out-of-range ids dropped): the first token of each row drawn from the prompt's last logits.
+  impl "pallas": the pallas layout (`paged`), each row's first own page in p_tail [m, G]."""
   model = nnx.merge(graphdef, params)
   m, P = p_tok.shape
   G = slot_ids.shape[1]
   N = sp.max_new_tokens
   positions = model_lib.positions_from_mask(p_mask)
   cache = model_lib.init_cache(model.cfg, m, P)
-  hidden, cache = model(p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0))
+  out = model(
+    p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0),
+    with_routing=sp.record_experts,
+  )  # fmt: skip
+  hidden, cache = out[:2]
+  # The experts of each row's last prompt token: what drew its first response token.
+  route = jnp.repeat(out[2].expert_ids[:, -1], G, axis=0) if sp.record_experts else None
   logits = jnp.repeat(model.logits(hidden[:, -1]).astype(jnp.float32), G, axis=0)  # [m G, V]
-  pool = paged.write_prefill(state.pool, cache, p_pages)
+  pad = P - jnp.sum(p_mask, axis=1, dtype=jnp.int32)  # [m]
+  if impl == "pallas":  # each prompt moved to slot 0
+    pool = paged.write_prefill(state.pool, cache, p_pages, shift=pad, tail=p_tail)
+    start, length = jnp.zeros_like(pad), P - pad
+  else:
+    pool = paged.write_prefill(state.pool, cache, p_pages)
+    start, length = pad, jnp.full_like(pad, P)
   key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
   keys = jax.random.wrap_key_data(key_data)
   token, logprob, topk, kept, entropy = sampler_lib._sample_token(
@@ -539,8 +612,8 @@ def _admit_group(
     pool=pool,
     last_token=put(state.last_token, token),
     position=put(state.position, rep(positions[:, -1] + 1)),
-    length=put(state.length, jnp.full((m * G,), P, jnp.int32)),
-    start=put(state.start, rep(P - jnp.sum(p_mask, axis=1, dtype=jnp.int32))),
+    length=put(state.length, rep(length)),
+    start=put(state.start, rep(start)),
     step=put(state.step, jnp.ones((m * G,), jnp.int32)),
     limit=put(state.limit, limits.reshape(-1)),
     done=put(state.done, stop | (limits.reshape(-1) <= 1)),
@@ -548,14 +621,16 @@ def _admit_group(
     tokens=put(state.tokens, first(token, sp.pad_id)),
     logprobs=put(state.logprobs, first(logprob, 0.0)),
     entropy=put(state.entropy, first(entropy, 0.0)),
-    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp),
+    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp, route),
   )
 
 
-def _records(state: SlotState, topk, kept, write, sp) -> dict:
-  """The top-K and kept-set buffers with a step's values written by `write(buf, val, fill)`
-  (none where the setting records none)."""
+def _records(state: SlotState, topk, kept, write, sp, route=None) -> dict:
+  """The top-K, kept-set and experts buffers with a step's values written by
+  `write(buf, val, fill)` (none where the setting records none)."""
   out = {}
+  if route is not None:
+    out["expert_ids"] = write(state.expert_ids, route, -1)
   if topk is not None:
     out["topk_logprobs"] = write(state.topk_logprobs, topk[0], -jnp.inf)
     out["topk_ids"] = write(state.topk_ids, topk[1], sp.pad_id)
@@ -564,15 +639,20 @@ def _records(state: SlotState, topk, kept, write, sp) -> dict:
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _decode(graphdef, sp, chunk, spread, params, state, page_table, active):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
+def _decode(graphdef, sp, chunk, spread, impl, params, state, page_table, active):
   """`_decode_group` in every group at once (a leading group axis): (state, steps [R])."""
-  decode = lambda state, table, active: _decode_group(graphdef, sp, chunk, params, state, table,
-                                                      active)  # fmt: skip
-  return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
+  decode = lambda state, table, active: _decode_group(
+    graphdef, sp, chunk, impl, params, state, table, active
+  )
+  with model_lib.experts_under_vmap():
+    if impl == "pallas":  # one group (`ContinuousSampler._attention`): called on it directly
+      out = decode(*jax.tree.map(lambda x: x[0], (state, page_table, active)))
+      return _spread_over(spread, jax.tree.map(lambda x: x[None], out))
+    return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
 
 
-def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
+def _decode_group(graphdef, sp, chunk, impl, params, state, page_table, active):
   """Up to `chunk` decode steps of every live slot of one group (active and not done); also
   returns the steps taken."""
   S, N = state.tokens.shape
@@ -582,9 +662,12 @@ def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
   def body(carry):
     i, s = carry
     live = active & ~s.done
-    logits, pool = paged.decode_step(
-      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live
-    )
+    out = paged.decode_step(
+      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live,
+      with_routing=sp.record_experts, attention_impl=impl,
+    )  # fmt: skip
+    logits, pool = out[:2]
+    route = out[2] if sp.record_experts else None
     keys = sampler_lib.step_keys(jax.random.wrap_key_data(s.keys), s.step)
     token, logprob, topk, kept, entropy = sampler_lib._sample_token(logits, keys, sp)
     col = jnp.minimum(s.step, N - 1)
@@ -605,7 +688,7 @@ def _decode_group(graphdef, sp, chunk, params, state, page_table, active):
       tokens=put(s.tokens, token),
       logprobs=put(s.logprobs, logprob),
       entropy=put(s.entropy, entropy),
-      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp),
+      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp, route),
     )
 
   cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)

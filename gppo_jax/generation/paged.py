@@ -10,9 +10,26 @@ follows the tokens held, not rows x max_new_tokens.
 Page 0 is never handed out: slots with nothing to write (empty or finished) write there, and page
 table entries past a row's pages point there, so every gather and scatter stays in bounds.
 
-Attention over a slot's pages (`paged_attention`) walks the pages up to the longest row's last
-one, gathering page i of every slot at once, with an online softmax (a traced trip count, so the
-cost follows the filled length and one compiled step serves every length).
+Attention over a slot's pages has two implementations (`ATTENTION`, `resolve_attention`):
+
+- gather (`paged_attention`): walks the pages up to the longest row's last one, gathering page i
+  of every slot at once, with an online softmax (a traced trip count, so the cost follows the
+  filled length and one compiled step serves every length). Any layout of a row's keys: they
+  may start at any slot (`start`, after a prompt's left padding) and a sliding window skips
+  the pages before it.
+- pallas (`pallas_attention`): JAX's TPU paged-attention kernel
+  (`jax.experimental.pallas.ops.tpu.paged_attention`), which attends to slots [0, length) of
+  each row's pages. So a row's keys must start at slot 0: with it the engine stores each prompt
+  shifted left by its padding (`write_prefill` with `shift`), its full pages shared by its
+  samples and its last, partial page copied into each sample's own first page (`tail`), where
+  the sample's response continues. The kernel has no window: sliding-window layers run gather
+  on the same shifted pages. It rounds keys and values to bfloat16 before its products, so it
+  is exact only for a bfloat16 pool.
+
+The pool stores each layer's pages in the kernel's layout, KV heads first ([K, L, num_pages,
+page_size, Dh]): the kernel reads a layer's pages as [K, L * num_pages, page_size, Dh] (a
+reshape, no copy) with its page ids offset by layer * num_pages, so no step transposes or
+slices the pool.
 """
 
 from __future__ import annotations
@@ -32,20 +49,25 @@ from gppo_jax.models.architectures import ModelConfig
 
 TRASH_PAGE = 0
 _NEG = -1e30  # finite: a page with no allowed slot must not make the running max -inf
+ATTENTION = ("auto", "gather", "pallas")  # EngineConfig.attention = rollout.paged_attention
+# The kernel's compute block: pages of this many cache slots in all (at least one page). Each
+# row's page-table is padded with trash pages to a whole number of blocks; blocks past a row's
+# length are skipped.
+PALLAS_BLOCK_SLOTS = 512
 
 
 @flax.struct.dataclass
 class PagePool:
-  k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+  k: jax.Array  # [num_kv_heads, num_layers, num_pages, page_size, head_dim]
   v: jax.Array  # same
 
   @property
   def page_size(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   @property
   def num_pages(self) -> int:
-    return self.k.shape[1]
+    return self.k.shape[2]
 
   @property
   def nbytes(self) -> int:
@@ -54,7 +76,7 @@ class PagePool:
 
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> PagePool:
   """An empty pool (zeros) in the model's compute dtype."""
-  shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_kv_heads, cfg.num_layers, num_pages, page_size, cfg.head_dim)
   zeros = jnp.zeros(shape, cfg.compute_dtype)
   return PagePool(k=zeros, v=zeros)
 
@@ -71,18 +93,43 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
   )
 
 
-def write_prefill(pool: PagePool, cache: model_lib.KVCache, pages: jax.Array) -> PagePool:
+def write_prefill(
+  pool: PagePool,
+  cache: model_lib.KVCache,
+  pages: jax.Array,
+  shift: jax.Array | None = None,
+  tail: jax.Array | None = None,
+) -> PagePool:
   """The pool with a prefill's dense cache (k/v [L, M, P, K, Dh], P a multiple of the page size)
-  written to `pages` int32 [M, P // page_size] (each prompt's pages in order)."""
+  written to `pages` int32 [M, P // page_size] (each prompt's pages in order).
+
+  With shift int32 [M] (each prompt's left padding), each prompt's cache first moves left by
+  its shift, so that its first real token lands in slot 0 (the pallas layout); then its page
+  n // page_size (n = P - shift: the partial page holding the prompt's last n % page_size
+  slots) also goes to each of tail int32 [M, G] (each sample's own first page; the trash page
+  where there is none). Pages of `pages` past a prompt's real ones are to be the trash page."""
   L, M, P, K, Dh = cache.k.shape
   ps = pool.page_size
   if P % ps:
     raise ValueError(f"the prefill's {P} slots are not a multiple of the page size {ps}")
-  flat = pages.reshape(-1)
-  split = lambda x: x.reshape(L, M * (P // ps), ps, K, Dh).astype(pool.k.dtype)
-  return PagePool(
-    k=pool.k.at[:, flat].set(split(cache.k)), v=pool.v.at[:, flat].set(split(cache.v))
-  )
+
+  def pages_of(x):  # [L, M, P, K, Dh] -> [K, L, M, P // ps, ps, Dh]
+    if shift is not None:
+      slots = (jnp.arange(P)[None] + shift[:, None]) % P  # [M, P]: slot j reads j + shift
+      x = jnp.take_along_axis(x, slots[None, :, :, None, None], axis=2)
+    return jnp.transpose(x.reshape(L, M, P // ps, ps, K, Dh), (4, 0, 1, 2, 3, 5))
+
+  def write(buf, x):
+    x = pages_of(x).astype(buf.dtype)
+    buf = buf.at[:, :, pages.reshape(-1)].set(x.reshape(K, L, M * (P // ps), ps, Dh))
+    if tail is None:
+      return buf
+    G = tail.shape[1]
+    partial = jnp.minimum((P - shift) // ps, P // ps - 1)  # [M]: a whole prompt: no tail
+    last = x[:, :, jnp.arange(M), partial]  # [K, L, M, ps, Dh]
+    return buf.at[:, :, tail.reshape(-1)].set(jnp.repeat(last, G, axis=2))
+
+  return PagePool(k=write(pool.k, cache.k), v=write(pool.v, cache.v))
 
 
 def paged_attention(
@@ -100,7 +147,7 @@ def paged_attention(
 ) -> jax.Array:
   """One query per decode slot over its own pages.
 
-  q [S, 1, H, Dh]; pool_k / pool_v [L, num_pages, page_size, K, Dh] (the new keys already
+  q [S, 1, H, Dh]; pool_k / pool_v [K, L, num_pages, page_size, Dh] (the new keys already
   written); page_table int32 [S, max_pages]; start int32 [S]: the slot's first real cache slot
   (prompts are left-padded); query_slot int32 [S]: where the query's own key was written. The
   query attends to the cache slots start <= j <= query_slot, as the dense cache does for a
@@ -110,7 +157,7 @@ def paged_attention(
   about window / page_size pages per row, however long the row.
   """
   S, _, H, Dh = q.shape
-  ps, K = pool_k.shape[2], pool_k.shape[3]
+  K, ps = pool_k.shape[0], pool_k.shape[3]
   G = H // K
   qh = q.reshape(S, K, G, Dh).astype(jnp.float32) * (scale or Dh**-0.5)
   rows = jnp.arange(S)
@@ -123,9 +170,9 @@ def paged_attention(
     m, l, acc = carry
     index = first + i  # [S]: page index of each row (past a row's last one: masked out)
     page = page_table[rows, jnp.minimum(index, last_page)]  # [S]
-    kb = pool_k[layer, page].astype(jnp.float32)  # [S, ps, K, Dh]
-    vb = pool_v[layer, page].astype(jnp.float32)
-    s = attention.soft_cap(jnp.einsum("skgd,spkd->skgp", qh, kb), softcap)
+    kb = pool_k[:, layer, page].astype(jnp.float32)  # [K, S, ps, Dh]
+    vb = pool_v[:, layer, page].astype(jnp.float32)
+    s = attention.soft_cap(jnp.einsum("skgd,kspd->skgp", qh, kb), softcap)
     slot = index[:, None] * ps + jnp.arange(ps)[None]  # [S, ps]
     ok = (slot >= start[:, None]) & (slot <= query_slot[:, None])  # [S, ps]
     s = jnp.where(ok[:, None, None, :], s, _NEG)
@@ -133,7 +180,7 @@ def paged_attention(
     p = jnp.where(ok[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("skgp,spkd->skgd", p, vb)
+    acc = acc * corr[..., None] + jnp.einsum("skgp,kspd->skgd", p, vb)
     return m_new, l, acc
 
   init = (
@@ -146,6 +193,83 @@ def paged_attention(
   return out.reshape(S, 1, H, Dh).astype(q.dtype)
 
 
+def pallas_attention(
+  q: jax.Array,
+  pool_k: jax.Array,
+  pool_v: jax.Array,
+  layer: jax.Array | int,
+  page_table: jax.Array,
+  query_slot: jax.Array,
+  live: jax.Array | None = None,
+  *,
+  scale: float | None = None,
+  softcap: float | None = None,
+) -> jax.Array:
+  """`paged_attention` with start 0 and no window, by JAX's TPU paged-attention kernel: each
+  query attends to the cache slots 0 <= j <= query_slot of its pages. Rows not `live` (bool [S])
+  read nothing and give zeros. The kernel does not scale q: q is scaled here, in float32 as the
+  gather path does, and handed over in float32; it reads keys and values as bfloat16."""
+  from jax.experimental.pallas.ops.tpu import paged_attention as kernel  # noqa: PLC0415
+
+  S, _, H, Dh = q.shape
+  K, L, N, ps, _ = pool_k.shape
+  block = max(1, min(PALLAS_BLOCK_SLOTS // ps, page_table.shape[1]))
+  pad = -page_table.shape[1] % block
+  # The layer's pages within the pool seen as [K, L * N, ps, Dh]; padding entries: its trash page.
+  pages = jnp.pad(page_table, ((0, 0), (0, pad))) + layer * N
+  lengths = query_slot + 1
+  if live is not None:
+    lengths = jnp.where(live, lengths, 0)
+  qs = q[:, 0].astype(jnp.float32) * (scale or Dh**-0.5)
+  out = kernel.paged_attention(
+    qs, pool_k.reshape(K, L * N, ps, Dh), pool_v.reshape(K, L * N, ps, Dh),
+    lengths.astype(jnp.int32), pages.astype(jnp.int32), attn_logits_soft_cap=softcap,
+    pages_per_compute_block=block,
+  )  # fmt: skip
+  return out[:, None].astype(q.dtype)
+
+
+def _interpreting() -> bool:
+  """Whether Pallas TPU kernels run interpreted here (`pltpu.force_tpu_interpret_mode`)."""
+  flag = getattr(jax.config, "pallas_tpu_interpret_mode_context_manager", None)
+  if flag is None:
+    from jax._src import config as jax_config  # noqa: PLC0415
+
+    flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+  return flag is not None and flag.value is not None
+
+
+def resolve_attention(
+  impl: str, cfg: ModelConfig, page_size: int, backend: str | None = None
+) -> str:
+  """ "gather" or "pallas": what `impl` (ATTENTION) runs for cfg's model on `backend` (default:
+  jax's). "auto" is pallas on TPU where the kernel is exact and its tiles fit: a bfloat16
+  pool, head_dim a multiple of 128 and page_size of 16 (the TPU's bfloat16 tile), some layer
+  without a sliding window; gather elsewhere. "pallas" raises where the kernel would not be
+  exact or has nothing to do."""
+  if impl not in ATTENTION:
+    raise ValueError(f"paged attention {impl!r}; valid: {', '.join(ATTENTION)}")
+  if impl == "gather":
+    return impl
+  problems = []
+  if jnp.dtype(cfg.compute_dtype) != jnp.dtype(jnp.bfloat16):
+    problems.append(
+      f"the kernel rounds keys and values to bfloat16, and this model's cache is "
+      f"{jnp.dtype(cfg.compute_dtype).name} (model.dtype)"
+    )
+  if cfg.windowed and all(l in cfg.local_layers for l in range(cfg.num_layers)):
+    problems.append("every layer has a sliding window, which the kernel cannot take")
+  backend = backend or jax.default_backend()
+  if backend != "tpu" and not _interpreting():
+    problems.append(f"the kernel needs a TPU (backend: {backend})")
+  if impl == "pallas":
+    if problems:
+      raise ValueError(f"paged attention 'pallas': {'; '.join(problems)}; use 'gather' or 'auto'")
+    return impl
+  fits = cfg.head_dim % 128 == 0 and page_size % 16 == 0
+  return "pallas" if backend == "tpu" and fits and not problems else "gather"
+
+
 def decode_step(
   graphdef: nnx.GraphDef,
   params: nnx.State,
@@ -156,13 +280,16 @@ def decode_step(
   start: jax.Array,
   length: jax.Array,
   live: jax.Array,
-) -> tuple[jax.Array, PagePool]:
+  with_routing: bool = False,
+  attention_impl: str = "gather",
+) -> tuple[jax.Array, PagePool] | tuple[jax.Array, PagePool, jax.Array]:
   """One token per decode slot through the model over the paged cache.
 
   tokens, positions int32 [S]: the token each slot feeds and its position; length int32 [S]: the
   cache slot it is written to (the slot's filled length); live bool [S]: slots that step (the
   others write to the trash page and their logits are to be ignored). Returns (float32 logits
-  [S, vocab], the pool with the new keys and values).
+  [S, vocab], the pool with the new keys and values), and with with_routing (models with
+  experts) the experts each slot's token chose, int32 [S, num_layers, k].
   """
   model = nnx.merge(graphdef, params)
   cfg = model.cfg
@@ -174,6 +301,7 @@ def decode_step(
   x = model_lib.embed_tokens(cfg, model.embed[...], tokens[:, None])
   rope = model_lib.rope_tables(positions[:, None], cfg)
   scores, flags = model_lib.scores_of(cfg), model_lib.local_flags(cfg)
+  kinds = model_lib.moe_flags(cfg)
 
   def layer_step(carry, xs):
     x, pk, pv = carry
@@ -181,30 +309,46 @@ def decode_step(
 
     def attend(q, k, v, local):
       nonlocal pk, pv
-      pk = pk.at[l, write_page, write_off].set(k[:, 0].astype(pk.dtype))
-      pv = pv.at[l, write_page, write_off].set(v[:, 0].astype(pv.dtype))
-      window = attention.layer_window(scores.window, local)
-      return paged_attention(
+      new = lambda x: jnp.swapaxes(x[:, 0], 0, 1).astype(pk.dtype)  # [S, 1, K, Dh] -> [K, S, Dh]
+      pk = pk.at[:, l, write_page, write_off].set(new(k))
+      pv = pv.at[:, l, write_page, write_off].set(new(v))
+      gather = lambda window: paged_attention(
         q, pk, pv, l, page_table, start, length, scale=scores.scale, softcap=scores.softcap,
         window=window,
       )  # fmt: skip
+      if attention_impl != "pallas":
+        return gather(attention.layer_window(scores.window, local))
+      kernel = lambda: pallas_attention(
+        q, pk, pv, l, page_table, length, live, scale=scores.scale, softcap=scores.softcap
+      )
+      if scores.window is None or local is False:
+        return kernel()
+      if local is None or local is True:
+        return gather(scores.window)
+      # A traced flag (the layer scan): a local layer runs gather with the window.
+      return jax.lax.cond(local, lambda: gather(scores.window), kernel)
 
     local = None if flags is None else flags[l]
-    x = model_lib.decoder_layer(cfg, p, x, rope, attend, local)
-    return (x, pk, pv), None
+    moe = None if kinds is None else kinds[l]
+    x, route = model_lib.routed_decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
+    return (x, pk, pv), (route.expert_ids[:, 0] if with_routing else None)
 
   layer_ids = jnp.arange(cfg.num_layers)
-  (x, pk, pv), _ = jax.lax.scan(layer_step, (x, pool.k, pool.v), (model.layers.arrays(), layer_ids))
+  xs = (model.layers.arrays(), layer_ids)
+  (x, pk, pv), routes = jax.lax.scan(layer_step, (x, pool.k, pool.v), xs)
   hidden = model_lib.norm(cfg, x[:, 0], model.final_norm[...])
+  if with_routing:
+    return model.logits(hidden), PagePool(k=pk, v=pv), jnp.moveaxis(routes, 0, 1)
   return model.logits(hidden), PagePool(k=pk, v=pv)
 
 
 class PageTable:
   """The host's bookkeeping of a pool: each slot's page table and the free pages.
 
-  A prompt's pages are taken once (`take_prompt`) and shared by the slots of its samples; they
-  return to the free stack when the last of those slots is released. A slot's response pages are
-  its own (`grow`), returned by `release`.
+  A prompt's pages are taken once (`take_prompt`: `prompt_pages` of them, or as many as it is
+  given) and shared by the slots of its samples; they return to the free stack when the last of
+  those slots is released. A slot's pages after its prompt's are its own (`grow`), returned by
+  `release`.
   """
 
   def __init__(self, num_pages: int, slots: int, max_pages: int, prompt_pages: int, page_size: int):
@@ -214,6 +358,7 @@ class PageTable:
     self.prompt_pages = prompt_pages
     self.num_pages = num_pages
     self._share = np.full(slots, -1)  # which prompt's pages the slot reads
+    self._shared_count = np.zeros(slots, np.int64)  # how many: its own pages follow them
     self._shared: dict[int, list[int]] = {}
     self._users: collections.Counter[int] = collections.Counter()
     self._next = 0
@@ -222,37 +367,42 @@ class PageTable:
   def in_use(self) -> int:
     return self.num_pages - 1 - len(self.free)
 
-  def take_prompt(self, slots: Sequence[int]) -> list[int]:
-    """Pages for one prompt, read by every slot of `slots` (whose tables start afresh)."""
-    pages = [self.free.pop() for _ in range(self.prompt_pages)]
+  def take_prompt(self, slots: Sequence[int], count: int | None = None) -> list[int]:
+    """`count` pages (default prompt_pages) for one prompt, read by every slot of `slots` (whose
+    tables start afresh)."""
+    count = self.prompt_pages if count is None else count
+    pages = [self.free.pop() for _ in range(count)]
     share, self._next = self._next, self._next + 1
     self._shared[share] = pages
     for s in slots:
       self.table[s] = TRASH_PAGE
-      self.table[s, : self.prompt_pages] = pages
+      self.table[s, :count] = pages
       self._share[s] = share
+      self._shared_count[s] = count
       self._users[share] += 1
     return pages
 
   def own_pages(self, slot: int) -> int:
-    return int(np.count_nonzero(self.table[slot, self.prompt_pages :] != TRASH_PAGE))
+    return int(np.count_nonzero(self.table[slot, self._shared_count[slot] :] != TRASH_PAGE))
 
   def wanted(self, slot: int, upto: int) -> int:
     """Pages the slot lacks for cache slots [0, upto)."""
-    return max(0, -(-upto // self.page_size) - self.prompt_pages - self.own_pages(slot))
+    have = int(self._shared_count[slot]) + self.own_pages(slot)
+    return max(0, -(-upto // self.page_size) - have)
 
   def grow(self, slot: int, upto: int) -> None:
     """Gives the slot pages (from the free stack) for cache slots [0, upto)."""
-    have = self.prompt_pages + self.own_pages(slot)
+    have = int(self._shared_count[slot]) + self.own_pages(slot)
     for i in range(self.wanted(slot, upto)):
       self.table[slot, have + i] = self.free.pop()
 
   def release(self, slot: int) -> None:
     """Returns the slot's own pages, and its prompt's when no other slot reads them."""
-    self.free.extend(int(p) for p in self.table[slot, self.prompt_pages :] if p != TRASH_PAGE)
+    own = self.table[slot, self._shared_count[slot] :]
+    self.free.extend(int(p) for p in own if p != TRASH_PAGE)
     self.table[slot] = TRASH_PAGE
     share = int(self._share[slot])
-    self._share[slot] = -1
+    self._share[slot], self._shared_count[slot] = -1, 0
     self._users[share] -= 1
     if self._users[share] == 0:
       self.free.extend(self._shared.pop(share))

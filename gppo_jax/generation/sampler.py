@@ -95,6 +95,9 @@ class SamplingParams:
   pad_id: int = 0
   num_topk: int = 0
   logprobs_mode: str = "tempered"
+  # Mixtures of experts (routing replay): also return the experts each response token's step
+  # routed its input token to (`SampleOutput.expert_ids`), for the trainer to reuse.
+  record_experts: bool = False
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -119,6 +122,11 @@ class SamplingParams:
     return self.top_k if truncated and self.top_k > 0 else 0
 
 
+# The recorded experts' ids (`SampleOutput.expert_ids`): a rollout holds [rows, response tokens,
+# layers, k] of them on the host (Qwen3-30B-A3B: 384 per token).
+EXPERT_ID_DTYPE = jnp.int16
+
+
 @flax.struct.dataclass
 class SampleOutput:
   """Sampled responses, right-padded with pad_id after the stop token.
@@ -131,6 +139,11 @@ class SampleOutput:
   and past the vocabulary (None unless `SamplingParams.kept_width`); entropy: float32 [B, N], the
   entropy of the full tempered distribution softmax(logits / T) (T = 1 when greedy) at each
   token's step (0 where mask is False), so that the policy's entropy is logged with every rollout.
+  expert_ids: int16 [B, N, num_layers, k] (`SamplingParams.record_experts`, models with experts:
+  EXPERT_ID_DTYPE, half the host memory of int32 for up to 32767 experts):
+  the experts chosen in each layer for the token fed at the step that drew response token n (the
+  last prompt token for n = 0, else response token n - 1: the teacher-forced input whose hidden
+  state gives token n's log-prob); -1 in dense layers and where mask is False.
   """
 
   tokens: jax.Array
@@ -141,6 +154,7 @@ class SampleOutput:
   topk_ids: jax.Array | None = None
   kept_ids: jax.Array | None = None
   entropy: jax.Array | None = None
+  expert_ids: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -160,6 +174,7 @@ class SamplerState:
   kept_ids: jax.Array | None = None
   entropy: jax.Array | None = None
   limit: jax.Array | None = None  # int32 [B]: each row's own max_new_tokens (row_limits)
+  expert_ids: jax.Array | None = None  # int16 [B, N, num_layers, k] (record_experts)
 
 
 def left_pad(
@@ -338,9 +353,10 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
 
 
 def _record(
-  state: SamplerState, token, logprob, topk, kept, entropy, p: SamplingParams
+  state: SamplerState, token, logprob, topk, kept, entropy, p: SamplingParams, route=None
 ) -> SamplerState:
-  """Writes the token drawn for response index `state.step` and advances the done flags."""
+  """Writes the token drawn for response index `state.step` (and `route`, int [B, L, k], the
+  experts of the step's input token) and advances the done flags."""
   live = ~state.done
   token = jnp.where(live, token, p.pad_id)
   col = state.step
@@ -360,6 +376,8 @@ def _record(
     updates["topk_ids"] = put(state.topk_ids, jnp.where(live[:, None], ids, p.pad_id))
   if kept is not None:
     updates["kept_ids"] = put(state.kept_ids, jnp.where(live[:, None], kept, -1))
+  if route is not None:
+    updates["expert_ids"] = put(state.expert_ids, jnp.where(live[:, None, None], route, -1))
   stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
   if state.limit is not None:
     stopped = stopped | (state.step + 1 >= state.limit)
@@ -372,8 +390,9 @@ def _record(
   )
 
 
-def _prefill(model, tokens, mask, positions, group_size: int):
-  """Runs each group's prompt once: (cache of B rows x P slots, first-token logits f32 [B, V]).
+def _prefill(model, tokens, mask, positions, group_size: int, with_routing: bool = False):
+  """Runs each group's prompt once: (cache of B rows x P slots, first-token logits f32 [B, V]),
+  and with_routing the experts of each row's last prompt token, int32 [B, L, k].
 
   tokens / mask / positions [B, P] hold B / group_size groups of identical consecutive rows; the
   first row of each group is run and its cache and last logits are repeated over the group.
@@ -384,12 +403,20 @@ def _prefill(model, tokens, mask, positions, group_size: int):
     tokens, mask, positions = first(tokens), first(mask), first(positions)
   tokens, mask, positions = partitioning.constrain_batch((tokens, mask, positions))
   cache = model_lib.init_cache(model.cfg, tokens.shape[0], prompt_len)
-  hidden, cache = model(tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0))
+  out = model(
+    tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0),
+    with_routing=with_routing,
+  )  # fmt: skip
+  hidden, cache = out[:2]
+  route = out[2].expert_ids[:, -1] if with_routing else None
   logits = model.logits(hidden[:, -1]).astype(jnp.float32)
   if group_size > 1:
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis, total_repeat_length=batch)
     cache = model_lib.KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), mask=rep(cache.mask, 0))
     logits = rep(logits, 0)
+    route = None if route is None else rep(route, 0)
+  if with_routing:
+    return cache, logits, route
   return cache, logits
 
 
@@ -456,7 +483,14 @@ def sample(
   prompt_mask = prompt_mask.astype(bool)
   positions = model_lib.positions_from_mask(prompt_mask)
 
-  cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
+  record = sampling.record_experts
+  if record and not cfg.is_moe:
+    raise ValueError("SamplingParams.record_experts: the model has no experts (num_experts=0)")
+  route = None
+  if record:
+    cache, logits, route = _prefill(model, prompt_tokens, prompt_mask, positions, group_size, True)
+  else:
+    cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
   if unroll_layers is None:
     unroll_layers = jax.default_backend() == "cpu"
   if unroll_layers:
@@ -480,22 +514,35 @@ def sample(
     kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
     entropy=jnp.zeros((batch, n), jnp.float32),
     limit=None if row_limits is None else jnp.asarray(row_limits, jnp.int32),
+    expert_ids=(
+      jnp.full((batch, n, cfg.num_layers, cfg.num_experts_per_tok), -1, EXPERT_ID_DTYPE)
+      if record
+      else None
+    ),
   )
-  state = _record(state, *_sample_token(logits, step_keys(rng, 0), sampling), sampling)
+  state = _record(state, *_sample_token(logits, step_keys(rng, 0), sampling), sampling, route)
 
   def body(s: SamplerState) -> SamplerState:
     # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
     args = (s.last_token[:, None], s.position[:, None])
     slot = prompt_len + s.step - 1
+    route = None
     if unroll_layers:
-      logits, new_cache = model.decode_step(*args, ~s.done[:, None], s.cache, slot, weights)
+      out = model.decode_step(
+        *args, ~s.done[:, None], s.cache, slot, weights, with_routing=record
+      )  # fmt: skip
+      logits, new_cache = out[:2]
+      route = out[2] if record else None
     else:
-      hidden, new_cache = model(
-        *args, attn_mask=~s.done[:, None], cache=s.cache, cache_index=slot, cache_block=decode_block
-      )
+      out = model(
+        *args, attn_mask=~s.done[:, None], cache=s.cache, cache_index=slot,
+        cache_block=decode_block, with_routing=record,
+      )  # fmt: skip
+      hidden, new_cache = out[:2]
+      route = out[2].expert_ids[:, 0] if record else None
       logits = model.logits(hidden[:, 0])
     drawn = _sample_token(logits, step_keys(rng, s.step), sampling)
-    return _record(s.replace(cache=new_cache), *drawn, sampling)
+    return _record(s.replace(cache=new_cache), *drawn, sampling, route)
 
   s = state
   for end in ends:  # steps up to end - P write the slots < end
@@ -510,6 +557,7 @@ def sample(
     topk_ids=s.topk_ids,
     kept_ids=s.kept_ids,
     entropy=s.entropy,
+    expert_ids=s.expert_ids,
   )
 
 
@@ -674,6 +722,7 @@ def jit_sampler(
     topk_ids=rows if k else None,
     kept_ids=rows if sampling.kept_width else None,
     entropy=rows,
+    expert_ids=rows if sampling.record_experts else None,
   )
 
   def sample_on_mesh(params, prompt_tokens, prompt_mask, rng):

@@ -3,8 +3,9 @@
 `ModelConfig` is the frozen, hashable shape and numerics of the transformer in `model.py`.
 `ARCHITECTURES` names ready-made configurations (the config field `model.preset` picks one;
 `get(name, **overrides)` returns it). `config_from_hf` / `config_to_hf` translate a Hugging Face
-config.json (Llama 3, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text) to and from a `ModelConfig`; the
-weight mapping lives in `hf_checkpoint.py`. Imports jax, never flax: nothing here builds a model.
+config.json (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 text) to and from a
+`ModelConfig`; the weight mapping lives in `hf_checkpoint.py`. Imports jax, never flax: nothing
+here builds a model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from gppo_jax import errors
 from gppo_jax.models import attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3")
+# How a mixture-of-experts layer runs its experts (ModelConfig.moe_dispatch): "sorted" sorts the
+# token-expert pairs by expert and runs each expert on its own tokens only (`jax.lax.ragged_dot`:
+# k experts' FLOPs per token); "dense" runs every expert on every token and weights the outputs
+# by the (mostly zero) combine weights: E experts' FLOPs, the simple reference. Both are exact.
+MOE_DISPATCH = ("sorted", "dense")
 HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP gate: SwiGLU, or GeGLU (tanh-approximated GELU)
 ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION = attention.IMPLEMENTATIONS  # ModelConfig.attention: attention.py's implementations
@@ -128,6 +134,18 @@ class ModelConfig:
   lora_alpha: float = 16.0
   lora_targets: str = LORA_ALL
   lora_dropout: float = 0.0
+  # Mixture of experts (Qwen3-MoE): num_experts > 0 replaces the MLP of every layer not in
+  # dense_layers by num_experts SwiGLU experts of moe_intermediate_size, stacked [E, ...], and a
+  # router: softmax over the experts in float32, the num_experts_per_tok most probable per token,
+  # their probabilities renormalised to sum to one when norm_topk_prob (`model.moe_mlp`).
+  # dense_layers keep the dense MLP of intermediate_size (HF's mlp_only_layers and
+  # decoder_sparse_step). LoRA adapts only the attention of such a model.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  dense_layers: tuple[int, ...] = ()
+  moe_dispatch: str = "sorted"  # MOE_DISPATCH
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -165,6 +183,22 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
     if problem := lora_targets_problem(self.lora_targets):
       raise ValueError(f"ModelConfig.lora_targets={self.lora_targets!r}: must be {problem}")
+    if self.moe_dispatch not in MOE_DISPATCH:
+      raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; valid: {MOE_DISPATCH}")
+    if self.num_experts < 0:
+      raise ValueError(f"ModelConfig.num_experts={self.num_experts} must be >= 0 (0: no experts)")
+    if self.num_experts:
+      if not 0 < self.num_experts_per_tok <= self.num_experts:
+        raise ValueError(
+          f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+          f"[1, num_experts={self.num_experts}]"
+        )
+      if self.moe_intermediate_size < 1:
+        raise ValueError("ModelConfig.moe_intermediate_size must be positive with num_experts > 0")
+      if any(not 0 <= l < self.num_layers for l in self.dense_layers):
+        raise ValueError(f"ModelConfig.dense_layers={self.dense_layers} not all in [0, num_layers)")
+    elif self.dense_layers:
+      raise ValueError("ModelConfig.dense_layers needs num_experts > 0")
 
   @property
   def lora_weights(self) -> tuple[str, ...]:
@@ -172,7 +206,28 @@ class ModelConfig:
     if not self.lora_rank:
       return ()
     pattern = re.compile(self.lora_targets)
-    return tuple(w for name, w in LORA_PROJECTIONS.items() if pattern.fullmatch(name))
+    # A mixture of experts adapts its attention only (not its experts, router or dense MLPs).
+    has = lambda w: not self.is_moe or not w.startswith("w_")
+    return tuple(w for name, w in LORA_PROJECTIONS.items() if pattern.fullmatch(name) and has(w))
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether some layers are mixtures of experts."""
+    return self.num_experts > 0
+
+  @property
+  def has_dense_mlp(self) -> bool:
+    """Whether some layers have the dense MLP (every layer of a model without experts)."""
+    return not self.is_moe or bool(self.dense_layers)
+
+  @property
+  def mixed_mlp(self) -> bool:
+    """Whether the layers mix dense MLPs and experts: each layer then holds both kinds of
+    weights (the unused kind zero, never exported) and picks its own by a flag in the scan."""
+    return self.is_moe and bool(self.dense_layers)
+
+  def layer_is_moe(self, layer: int) -> bool:
+    return self.is_moe and layer not in self.dense_layers
 
   @property
   def lora_scale(self) -> float:
@@ -353,6 +408,29 @@ ARCHITECTURES: dict[str, ModelConfig] = {
     initializer_range=0.1,
     remat="none",  # tiny: recomputing activations only costs time
   ),  # fmt: skip
+  # char-tiny's attention with 4 SwiGLU experts of 96, 2 per token (the mixture-of-experts
+  # code path on the built-in tasks).
+  "char-tiny-moe": ModelConfig(
+    64,
+    64,
+    192,
+    2,
+    4,
+    2,
+    16,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    family="qwen3_moe",
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=0,
+    initializer_range=0.1,
+    remat="none",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=96,
+  ),  # fmt: skip
   "qwen2.5-0.5b": _qwen2(151936, 896, 4864, 24, 14, 2, True),
   "qwen2.5-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, True),
   "qwen2.5-3b": _qwen2(151936, 2048, 11008, 36, 16, 2, True),
@@ -361,6 +439,15 @@ ARCHITECTURES: dict[str, ModelConfig] = {
   "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
   "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
   "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+  # 128 experts of 768, 8 active per token (3.3B of 30.5B parameters).
+  "qwen3-30b-a3b": dataclasses.replace(
+    _qwen3(2048, 6144, 48, 32, 4, False),
+    family="qwen3_moe",
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+  ),  # fmt: skip
   "llama3.1-8b": ModelConfig(
     128256, 4096, 14336, 32, 32, 8, 128, rope_scaling=_LLAMA31_ROPE, **_LLAMA
   ),
@@ -406,12 +493,14 @@ _HF_FAMILIES = {
   "LlamaForCausalLM": "llama",
   "Qwen2ForCausalLM": "qwen2",
   "Qwen3ForCausalLM": "qwen3",
+  "Qwen3MoeForCausalLM": "qwen3_moe",
   "Gemma2ForCausalLM": "gemma2",
   "Gemma3ForCausalLM": "gemma3",
 }
 # config.json's model_type of each family (Gemma 3's text model is "gemma3_text"; "gemma3" is
 # the multimodal Gemma3ForConditionalGeneration, whose text part is not loaded here).
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+_MODEL_TYPES["qwen3_moe"] = "qwen3_moe"
 _MODEL_TYPES["gemma3"] = "gemma3_text"
 _GEMMA = ("gemma2", "gemma3")
 # HF's hidden_activation names of the tanh-approximated GELU (Gemma's GeGLU).
@@ -482,6 +571,28 @@ def _gemma_fields(c: dict[str, Any], family: str, unsupported: list[str]) -> dic
   return out
 
 
+def _moe_fields(c: dict[str, Any], unsupported: list[str]) -> dict[str, Any]:
+  """ModelConfig fields of a Qwen3-MoE config.json: the experts, the router's top-k and which
+  layers keep a dense MLP (mlp_only_layers, and those whose (index + 1) is no multiple of
+  decoder_sparse_step)."""
+  E = int(c.get("num_experts", c.get("num_local_experts")) or 0)  # transformers 5 writes the latter
+  step = int(c.get("decoder_sparse_step", 1) or 1)
+  only = set(c.get("mlp_only_layers") or ())
+  L = int(c["num_hidden_layers"])
+  dense = tuple(i for i in range(L) if i in only or not E or (i + 1) % step)
+  if E and len(dense) == L:
+    E = 0  # every layer dense: a plain decoder
+  if E == 0:
+    unsupported.append("num_experts=0 (a dense model: use Qwen3ForCausalLM)")
+  return dict(
+    num_experts=E,
+    num_experts_per_tok=int(c.get("num_experts_per_tok", 8)),
+    moe_intermediate_size=int(c.get("moe_intermediate_size", 768)),
+    norm_topk_prob=bool(c.get("norm_topk_prob", False)),  # HF's default
+    dense_layers=dense,
+  )
+
+
 def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
   """A ModelConfig from the contents of a Hugging Face config.json (Llama, Qwen2, Qwen3,
   Gemma 2, Gemma 3 text)."""
@@ -499,6 +610,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
   if c.get("partial_rotary_factor", 1.0) != 1.0:
     unsupported.append("partial_rotary_factor")
   gemma = _gemma_fields(c, family, unsupported) if family in _GEMMA else {}
+  moe = _moe_fields(c, unsupported) if family == "qwen3_moe" else {}
   if unsupported:
     raise ValueError(f"config.json: unsupported settings for {family}: {', '.join(unsupported)}")
   rope = dict(c.get("rope_parameters") or {})
@@ -525,7 +637,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
     tie_word_embeddings=bool(c.get("tie_word_embeddings", family in _GEMMA)),
     attention_bias=family == "qwen2",
-    qk_norm=family in ("qwen3", "gemma3"),
+    qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
     dtype=dtype,
     param_dtype=dtype,
     max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
@@ -536,6 +648,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides) -> ModelConfig:
     initializer_range=float(c.get("initializer_range", 0.02)),
   )
   kwargs.update(gemma)
+  kwargs.update(moe)
   kwargs.update(overrides)
   return ModelConfig(**kwargs)
 
@@ -591,8 +704,22 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
-  if cfg.family == "qwen3":
+  if cfg.family in ("qwen3", "qwen3_moe"):
     out["attention_bias"] = False
+  if cfg.family == "qwen3_moe":
+    if not cfg.is_moe:
+      raise ValueError("family='qwen3_moe' needs num_experts > 0")
+    out.update(
+      num_experts=cfg.num_experts,
+      num_experts_per_tok=cfg.num_experts_per_tok,
+      moe_intermediate_size=cfg.moe_intermediate_size,
+      norm_topk_prob=cfg.norm_topk_prob,
+      decoder_sparse_step=1,
+      mlp_only_layers=list(cfg.dense_layers),
+      output_router_logits=False,
+    )
+  elif cfg.is_moe:
+    raise ValueError(f"family={cfg.family!r} has no experts; mixtures of experts are qwen3_moe")
   return out
 
 

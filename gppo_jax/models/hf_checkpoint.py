@@ -66,14 +66,18 @@ log = logging.getLogger("gppo_jax")
 class _Spec:
   """How one of our parameters maps to Hugging Face tensor(s).
 
-  `hf` is the tensor name (with "{i}" for per-layer tensors, which we stack on axis 0);
-  `hf_shape(cfg)` its shape; `to_ours` / `to_hf` convert one tensor between layouts.
+  `hf` is the tensor name (with "{i}" for per-layer tensors, which we stack on axis 0, and
+  "{e}" for per-expert ones, stacked on the axis after it); `hf_shape(cfg)` its shape;
+  `to_ours` / `to_hf` convert one tensor between layouts. `layers(cfg)`: the layers that have
+  the tensor where only some do (a mixture of experts' dense or expert layers); the others'
+  slices are zeros, never written.
   """
 
   hf: str
   hf_shape: Callable[[ModelConfig], tuple[int, ...]]
   to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
   to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+  layers: Callable[[ModelConfig], tuple[int, ...]] | None = None
 
 
 _same = lambda x, c: x
@@ -128,16 +132,28 @@ def param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], _Spec]:
       _same,
       _same,
     ),
-    ("layers", "w_gate"): _Spec(
-      _L + "mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T
-    ),
-    ("layers", "w_up"): _Spec(
-      _L + "mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T
-    ),
-    ("layers", "w_down"): _Spec(
-      _L + "mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), _T, _T
-    ),
   }
+  if cfg.has_dense_mlp:
+    dense = _dense_layers if cfg.is_moe else None
+    specs[("layers", "w_gate")] = _Spec(
+      _L + "mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T, dense
+    )
+    specs[("layers", "w_up")] = _Spec(
+      _L + "mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _T, _T, dense
+    )
+    specs[("layers", "w_down")] = _Spec(
+      _L + "mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), _T, _T, dense
+    )
+  if cfg.is_moe:  # Qwen3-MoE: the router mlp.gate [E, D], each expert's own projections
+    e = _L + "mlp.experts.{e}."
+    up = lambda c: (c.moe_intermediate_size, c.hidden_size)
+    down = lambda c: (c.hidden_size, c.moe_intermediate_size)
+    specs[("layers", "router")] = _Spec(
+      _L + "mlp.gate.weight", lambda c: (c.num_experts, c.hidden_size), _T, _T, _moe_layers
+    )
+    specs[("layers", "moe_gate")] = _Spec(e + "gate_proj.weight", up, _T, _T, _moe_layers)
+    specs[("layers", "moe_up")] = _Spec(e + "up_proj.weight", up, _T, _T, _moe_layers)
+    specs[("layers", "moe_down")] = _Spec(e + "down_proj.weight", down, _T, _T, _moe_layers)
   if cfg.attention_bias:
     specs[("layers", "bq")] = _Spec(_L + "self_attn.q_proj.bias", *_bias(_H))
     specs[("layers", "bk")] = _Spec(_L + "self_attn.k_proj.bias", *_bias(_K))
@@ -158,9 +174,25 @@ def param_specs(cfg: ModelConfig) -> dict[tuple[str, ...], _Spec]:
   return specs
 
 
+def _dense_layers(cfg: ModelConfig) -> tuple[int, ...]:
+  return tuple(l for l in range(cfg.num_layers) if not cfg.layer_is_moe(l))
+
+
+def _moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
+  return tuple(l for l in range(cfg.num_layers) if cfg.layer_is_moe(l))
+
+
+def _spec_layers(spec: _Spec, cfg: ModelConfig) -> tuple[int, ...]:
+  """The layers that have the (per-layer) tensor."""
+  return tuple(range(cfg.num_layers)) if spec.layers is None else spec.layers(cfg)
+
+
 def _hf_names(spec: _Spec, cfg: ModelConfig) -> list[str]:
+  if "{e}" in spec.hf:
+    experts = range(cfg.num_experts)
+    return [spec.hf.format(i=i, e=e) for i in _spec_layers(spec, cfg) for e in experts]
   if "{i}" in spec.hf:
-    return [spec.hf.format(i=i) for i in range(cfg.num_layers)]
+    return [spec.hf.format(i=i) for i in _spec_layers(spec, cfg)]
   return [spec.hf]
 
 
@@ -297,7 +329,18 @@ def _load_param(reader: SafetensorsReader, spec: _Spec, cfg: ModelConfig, dtype)
         f"expected {want} from {CONFIG_FILE}"
       )
     parts.append(spec.to_ours(reader.get(name), cfg).astype(dtype))
-  return np.stack(parts) if "{i}" in spec.hf else parts[0]
+  if "{i}" not in spec.hf:
+    return parts[0]
+  if "{e}" in spec.hf:  # [layers * experts] -> per layer [E, ...]
+    E = cfg.num_experts
+    parts = [np.stack(parts[j : j + E]) for j in range(0, len(parts), E)]
+  layers = _spec_layers(spec, cfg)
+  if len(layers) == cfg.num_layers:
+    return np.stack(parts)
+  out = np.zeros((cfg.num_layers, *parts[0].shape), dtype)  # the layers without it: zeros
+  for l, part in zip(layers, parts, strict=True):
+    out[l] = part
+  return out
 
 
 def _check_unexpected(reader: SafetensorsReader, cfg: ModelConfig) -> None:
@@ -394,9 +437,14 @@ def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[s
     flat.update({("layers", name): merged[name] for name in cfg.lora_weights})
   for key, spec in param_specs(cfg).items():
     arr = np.asarray(jax.device_get(flat[key]))
-    if "{i}" in spec.hf:
-      for i, name in enumerate(_hf_names(spec, cfg)):
-        yield name, np.ascontiguousarray(spec.to_hf(arr[i], cfg).astype(np_dtype))
+    if "{e}" in spec.hf:
+      for i in _spec_layers(spec, cfg):
+        for e in range(cfg.num_experts):
+          tensor = spec.to_hf(arr[i, e], cfg).astype(np_dtype)
+          yield spec.hf.format(i=i, e=e), np.ascontiguousarray(tensor)
+    elif "{i}" in spec.hf:
+      for i in _spec_layers(spec, cfg):
+        yield spec.hf.format(i=i), np.ascontiguousarray(spec.to_hf(arr[i], cfg).astype(np_dtype))
     else:
       yield spec.hf, np.ascontiguousarray(spec.to_hf(arr, cfg).astype(np_dtype))
 

@@ -1,4 +1,5 @@
-"""The policy: a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Gemma 2/3) in Flax NNX.
+"""The policy: a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 2/3) in
+Flax NNX.
 
 The forward pass and the log-prob heads; its configuration (`ModelConfig`, the named
 architectures, the Hugging Face config.json mapping) is in `architectures.py`.
@@ -8,7 +9,9 @@ grouped-query attention, SwiGLU MLP, RMSNorm, optional q/k/v bias (Qwen2) and pe
 (Qwen3), tied or untied embeddings. Gemma is a configuration of the same layer (ModelConfig's
 Gemma fields): GeGLU, (1 + w) RMSNorm, norms on the attention's and MLP's outputs too, the
 sqrt(hidden) embedding scale, its attention scale and soft caps, sliding-window layers (their
-window and, for Gemma 3, their own RoPE base picked per layer inside the scan). Layer weights
+window and, for Gemma 3, their own RoPE base picked per layer inside the scan). Qwen3-MoE is
+Qwen3 with the MLP replaced by a top-k router over experts stacked [E, ...] (`moe_mlp`), some
+layers optionally keeping a dense MLP (picked per layer inside the scan). Layer weights
 are stacked on a leading "layers" axis and the forward pass is a `lax.scan`, so a 32-layer model
 compiles as fast as a 1-layer one.
 
@@ -22,8 +25,10 @@ Training reads log-probs through `chunked_logprobs`, which walks the sequence in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import flax
@@ -106,9 +111,18 @@ class Layers(nnx.Module):
       self.attn_post_norm = p((D,), ("embed",), norm)
       self.mlp_post_norm = p((D,), ("embed",), norm)
     self.mlp_norm = p((D,), ("embed",), norm)
-    self.w_gate = p((D, F), ("embed", "mlp"))
-    self.w_up = p((D, F), ("embed", "mlp"))
-    self.w_down = p((F, D), ("mlp", "embed"))
+    if cfg.has_dense_mlp:
+      self.w_gate = p((D, F), ("embed", "mlp"))
+      self.w_up = p((D, F), ("embed", "mlp"))
+      self.w_down = p((F, D), ("mlp", "embed"))
+    if cfg.is_moe:
+      # The router [D, E] and the experts stacked on an "expert" axis (expert parallelism
+      # shards it: partitioning.py).
+      E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+      self.router = p((D, E), ("embed", "router"))
+      self.moe_gate = p((E, D, Fe), ("expert", "embed", "expert_mlp"))
+      self.moe_up = p((E, D, Fe), ("expert", "embed", "expert_mlp"))
+      self.moe_down = p((E, Fe, D), ("expert", "expert_mlp", "embed"))
     # LoRA adapters of the targeted weights W [*in, *out]: A [*in, r] (random, std
     # 1/sqrt(fan-in)) and B [r, *out] (zeros, so that a fresh adapter leaves the model as it is),
     # in float32 whatever the base's dtype (they are the trained, master weights).
@@ -334,12 +348,22 @@ def lora_delta(cfg, w, name: str, x: jax.Array, contract: int, key=None, *, mm=p
   return mm(down * jnp.asarray(cfg.lora_scale, down.dtype), w[name + LORA_B])
 
 
-def decoder_layer(cfg, p, x, rope, attend, local=None, lora_key=None):
-  """One pre-norm decoder layer. attend(q, k, v, local) -> [B, T, H, Dh] handles cache / no
-  cache; local: whether this is a sliding-window layer (a bool, traced inside the layer scan;
-  None when the model has none), which also picks its RoPE tables (`rope_tables`). Weights with
-  LoRA adapters in p (`Layers`) add their term; lora_key (training only) draws the adapters'
-  dropout."""
+def decoder_layer(cfg, p, x, rope, attend, local=None, lora_key=None, *, moe=None):
+  """One pre-norm decoder layer (`routed_decoder_layer` without what its router chose)."""
+  return routed_decoder_layer(cfg, p, x, rope, attend, local, lora_key, moe=moe)[0]
+
+
+def routed_decoder_layer(
+  cfg, p, x, rope, attend, local=None, lora_key=None, *, moe=None, expert_ids=None, mask=None
+):
+  """One pre-norm decoder layer -> (x, `LayerRoute` or None without experts). attend(q, k, v,
+  local) -> [B, T, H, Dh] handles cache / no cache; local: whether this is a sliding-window
+  layer (a bool, traced inside the layer scan; None when the model has none), which also picks
+  its RoPE tables (`rope_tables`). Weights with LoRA adapters in p (`Layers`) add their term;
+  lora_key (training only) draws the adapters' dropout. moe: whether this layer is a mixture of
+  experts, needed (a bool, traced in a scan) only where cfg mixes dense and expert layers
+  (`moe_flags`); expert_ids int [B, T, k] force the tokens' experts (`moe_mlp`); mask bool
+  [B, T]: the real tokens the router's statistics count."""
   dt = cfg.compute_dtype
   w = {k: a.astype(dt) for k, a in p.items()}
   # remat "dots" keeps the projections' products, which a custom VJP would hide from it.
@@ -373,13 +397,237 @@ def decoder_layer(cfg, p, x, rope, attend, local=None, lora_key=None):
     attn = norm(cfg, attn, w["attn_post_norm"])
   x = x + attn
   h = norm(cfg, x, w["mlp_norm"])
-  gate = mm(h, "w_gate")
-  up = mm(h, "w_up")
-  act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-  out = mm(act * up, "w_down")
+
+  def dense(h):
+    gate = mm(h, "w_gate")
+    up = mm(h, "w_up")
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = mm(act * up, "w_down")
+    if not cfg.is_moe:
+      return out, None
+    B, T, _ = h.shape
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    zeros = jnp.zeros((E,), jnp.float32)
+    none = jnp.full((B, T, k), -1, jnp.int32)
+    return out, LayerRoute(none, none, zeros, zeros)
+
+  sparse = lambda h: moe_mlp(cfg, w, h, expert_ids, mask)
+  if not cfg.is_moe:
+    out, route = dense(h)
+  elif not cfg.mixed_mlp:
+    out, route = sparse(h)
+  elif moe is None:
+    raise ValueError("a model mixing dense and expert layers needs each layer's moe flag")
+  elif isinstance(moe, bool):
+    out, route = sparse(h) if moe else dense(h)
+  else:
+    out, route = jax.lax.cond(moe, sparse, dense, h)
   if cfg.post_norms:
     out = norm(cfg, out, w["mlp_post_norm"])
-  return x + out
+  return x + out, route
+
+
+@flax.struct.dataclass
+class LayerRoute:
+  """What one layer's router chose (`moe_mlp`); a dense layer of a mixed model gives -1 and
+  zeros."""
+
+  expert_ids: jax.Array  # int32 [B, T, k]: each token's experts, most probable first
+  router_ids: jax.Array  # int32 [B, T, k]: the router's own top k (expert_ids unless forced)
+  counts: jax.Array  # float32 [E]: how many of the real tokens' k choices went to each expert
+  prob_sum: jax.Array  # float32 [E]: the router's probabilities summed over the real tokens
+
+
+@flax.struct.dataclass
+class Routing:
+  """The experts a forward pass chose (`Transformer.__call__(..., with_routing=True)`)."""
+
+  expert_ids: jax.Array  # int32 [B, T, num_layers, k]; -1 in dense layers
+  router_ids: jax.Array  # int32 [B, T, num_layers, k]: the router's own choice (= expert_ids
+  # unless forced: routing replay)
+  aux_loss: jax.Array  # float32 []: the load-balancing loss (`router_aux_loss`) of the real tokens
+
+
+def moe_mlp(cfg, w, h, expert_ids=None, mask=None):
+  """The mixture-of-experts MLP of h [B, T, D] with layer weights w (`Layers`: router [D, E],
+  moe_gate / moe_up [E, D, F], moe_down [E, F, D], in the compute dtype) -> (out [B, T, D],
+  `LayerRoute`).
+
+  The router: logits h @ router in the compute dtype, their softmax over the E experts in
+  float32, and the k = cfg.num_experts_per_tok most probable experts, whose probabilities are
+  renormalised to sum to one (cfg.norm_topk_prob) and cast to the compute dtype: each token's
+  output is the sum over its k experts of weight * SwiGLU expert(h). expert_ids int [B, T, k]
+  (routing replay) force the experts of each token whose first id is >= 0: their weights are
+  then the current router's probabilities of those experts (renormalised likewise), so the
+  router still gets gradients, while a token whose ids are -1 routes itself. mask bool [B, T]:
+  the tokens `LayerRoute`'s statistics count (default: all)."""
+  B, T, D = h.shape
+  E, k, dt = cfg.num_experts, cfg.num_experts_per_tok, cfg.compute_dtype
+  f32 = jnp.float32
+  x = h.reshape(B * T, D)
+  probs = jax.nn.softmax(project(x, w["router"]).astype(f32), axis=-1)  # [N, E]
+  top_p, ids = jax.lax.top_k(probs, k)
+  own = ids
+  if expert_ids is not None:
+    forced = expert_ids.reshape(B * T, k).astype(jnp.int32)
+    ids = jnp.where(forced[:, :1] >= 0, forced, ids)
+    top_p = jnp.take_along_axis(probs, ids, axis=-1)
+  if cfg.norm_topk_prob:
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+  weights = top_p.astype(dt)
+  if cfg.moe_dispatch == "dense" or (T == 1 and _experts_split()):
+    # A decode step on an expert mesh: each device runs its own experts on the step's few
+    # tokens (E / k times the FLOPs of the step's expert products, but no experts moved), where
+    # the sorted dispatch would all-gather every layer's experts at every step.
+    y = _experts_dense(cfg, w, x, ids, weights)
+  else:
+    y = _sorted_on_shards(
+      cfg, w, x.reshape(B, T, D), ids.reshape(B, T, k), weights.reshape(B, T, k)
+    )
+  m = jnp.ones((B * T,), f32) if mask is None else mask.reshape(B * T).astype(f32)
+  counts = jnp.zeros((E,), f32).at[ids.reshape(-1)].add(jnp.repeat(m, k))
+  prob_sum = jnp.sum(probs * m[:, None], axis=0)
+  route = LayerRoute(ids.reshape(B, T, k), own.reshape(B, T, k), counts, prob_sum)
+  return y.reshape(B, T, D).astype(h.dtype), route
+
+
+def _experts_dense(cfg, w, x, ids, weights):
+  """Every expert on every token x [N, D], outputs weighted by the combine weights (zero but
+  for each token's k experts): exact, E / k times the FLOPs of the sorted dispatch; the simple
+  reference (and fine for tiny models)."""
+  f32 = jnp.float32
+  gate = jnp.einsum("nd,edf->nef", x, w["moe_gate"], preferred_element_type=f32)
+  up = jnp.einsum("nd,edf->nef", x, w["moe_up"], preferred_element_type=f32)
+  act = (jax.nn.silu(gate) * up).astype(x.dtype)
+  y = jnp.einsum("nef,efd->ned", act, w["moe_down"], preferred_element_type=f32)
+  combine = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=f32) * weights[..., None], axis=1)
+  return jnp.einsum("ne,ned->nd", combine, y.astype(x.dtype).astype(f32))
+
+
+def _experts_split() -> bool:
+  """Whether the ambient mesh splits the experts (an expert axis larger than 1)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.shape.get(partitioning.EXPERT_AXIS, 1) > 1
+
+
+def _sorted_on_shards(cfg, w, x, ids, weights):
+  """`_experts_sorted` of x [B, T, D] (ids, weights [B, T, k]) -> [B * T, D]. On a mesh whose
+  batch axes split B (`partitioning.constrain_batch`'s ambient mesh), each device sorts and runs
+  its own rows (`jax.shard_map`) against the experts all-gathered for the layer, as FSDP gathers
+  a dense layer's weights: a sort over the whole batch would make XLA gather every device's
+  token rows instead (the sort and the ragged products have no partitioned form), which is far
+  more memory for long rollouts. The experts rest sharded over the expert axis; their gradient
+  is reduce-scattered back to it."""
+  B, T, D = x.shape
+  sorted_ = lambda x, ids, weights, *experts: _experts_sorted(
+    cfg, dict(zip(("moe_gate", "moe_up", "moe_down"), experts, strict=True)),
+    x.reshape(-1, D), ids.reshape(-1, ids.shape[-1]), weights.reshape(-1, weights.shape[-1]),
+  )  # fmt: skip
+  experts = (w["moe_gate"], w["moe_up"], w["moe_down"])
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else partitioning.batch_axes(mesh)
+  shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if shards == 1 or B % shards or getattr(_TRACING, "vmapped", False):
+    return sorted_(x, ids, weights, *experts)
+  rows = jax.sharding.PartitionSpec(axes)
+  whole = jax.sharding.PartitionSpec()
+  run = jax.shard_map(
+    sorted_, mesh=mesh, in_specs=(rows, rows, rows, whole, whole, whole), out_specs=rows
+  )
+  return run(x, ids, weights, *experts)
+
+
+def _experts_sorted(cfg, w, x, ids, weights):
+  """The token-expert pairs of x [N, D] sorted by expert, each expert's contiguous run of rows
+  multiplied by that expert's weights only (`jax.lax.ragged_dot` with the runs' lengths), then
+  put back in token order and combined: exact (no capacity, no token dropped) and k experts'
+  FLOPs per token, at the cost of one gather of N * k rows and its inverse. A one-hot dispatch
+  einsum would also be exact only with a capacity of every token per expert, i.e. E times the
+  work; gathering each token's experts' weights would copy k weight matrices per token."""
+  N, D = x.shape
+  E, k = cfg.num_experts, cfg.num_experts_per_tok
+  f32 = jnp.float32
+  flat = ids.reshape(N * k)
+  order = jnp.argsort(flat, stable=True)  # pair positions grouped by expert
+  rows = jnp.take(x, order // k, axis=0)  # [N * k, D]
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+
+  def mm(a, b):
+    if getattr(_TRACING, "vmapped", False):
+      # Under vmap (`experts_under_vmap`) ragged_dot batches only with its experts batched too:
+      # make them so, by a zero derived from the (batched, finite) rows.
+      b = b + jax.lax.stop_gradient(a[0, 0]).astype(b.dtype) * jnp.zeros((), b.dtype)
+    return _ragged_dot(a, b, sizes, preferred_element_type=f32)
+
+  act = (jax.nn.silu(mm(rows, w["moe_gate"])) * mm(rows, w["moe_up"])).astype(x.dtype)
+  y = mm(act, w["moe_down"]).astype(x.dtype)  # [N * k, D], sorted
+  y = jnp.zeros_like(y).at[order].set(y).reshape(N, k, D)  # token order
+  return jnp.einsum("nkd,nk->nd", y.astype(f32), weights.astype(f32))
+
+
+# XLA runs ragged_dot natively on GPU and TPU; its CPU lowering is dense over the groups (each
+# expert's weights against every row, masked: E times the memory). The planner, which compiles
+# on CPU for those targets, traces under `ragged_dot_stand_in`: one product of the same operand
+# and result shapes (the first expert's weights), as a native ragged_dot holds them. Both flags
+# here are read while tracing (`ragged_dot_stand_in`, `experts_under_vmap`).
+_TRACING = threading.local()
+
+
+@contextlib.contextmanager
+def ragged_dot_stand_in():
+  """Within: the sorted dispatch's ragged products traced as `_ragged_dot` describes."""
+  _TRACING.on = True
+  try:
+    yield
+  finally:
+    _TRACING.on = False
+
+
+@contextlib.contextmanager
+def experts_under_vmap():
+  """Within: the sorted dispatch is traced to run under `jax.vmap` (the continuous engine's
+  leading shard axis), which batches ragged_dot only when its experts are batched as well."""
+  _TRACING.vmapped = True
+  try:
+    yield
+  finally:
+    _TRACING.vmapped = False
+
+
+def _ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+  if getattr(_TRACING, "on", False):
+    return jnp.dot(lhs, rhs[0], preferred_element_type=preferred_element_type)
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def router_aux_loss(cfg: ModelConfig, counts: jax.Array, prob_sum: jax.Array, tokens) -> jax.Array:
+  """The Switch-style load-balancing loss over the expert layers, as transformers'
+  load_balancing_loss_func computes it: E * sum_e f_e P_e, where f_e is the share of the real
+  tokens' top-k choices that went to expert e and P_e its mean router probability, both pooled
+  over the expert layers (f sums to k: a uniform router gives k). counts, prob_sum [L, E]
+  (`LayerRoute`, zeros in dense layers); tokens: the real tokens per layer."""
+  moe_layers = sum(cfg.layer_is_moe(l) for l in range(cfg.num_layers))
+  total = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0) * moe_layers
+  f = jnp.sum(counts, axis=0) / total
+  P = jnp.sum(prob_sum, axis=0) / total
+  return cfg.num_experts * jnp.sum(f * P)
+
+
+def moe_flags(cfg: ModelConfig) -> jax.Array | None:
+  """bool [num_layers]: which layers are mixtures of experts (scanned with the weights), or
+  None unless cfg mixes dense and expert layers (then every layer's kind is known statically)."""
+  if not cfg.mixed_mlp:
+    return None
+  return jnp.asarray([cfg.layer_is_moe(l) for l in range(cfg.num_layers)])
+
+
+def _routing(cfg: ModelConfig, routes: LayerRoute, mask: jax.Array) -> Routing:
+  """A `Routing` from the layer scan's stacked `LayerRoute`s ([L, ...]) and the real tokens."""
+  return Routing(
+    expert_ids=jnp.moveaxis(routes.expert_ids, 0, 2),
+    router_ids=jnp.moveaxis(routes.router_ids, 0, 2),
+    aux_loss=router_aux_loss(cfg, routes.counts, routes.prob_sum, jnp.sum(mask)),
+  )
 
 
 class Transformer(nnx.Module):
@@ -407,7 +655,9 @@ class Transformer(nnx.Module):
     cache_index: jax.Array | int | None = None,
     cache_block: int | None = None,
     lora_key: jax.Array | None = None,
-  ) -> tuple[jax.Array, KVCache | None]:
+    expert_ids: jax.Array | None = None,
+    with_routing: bool = False,
+  ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, Routing]:
     """tokens, positions: int32 [B, T]; attn_mask: bool [B, T] (False = padding).
 
     Without cache: causal attention over the T tokens, ignoring keys whose attn_mask is False;
@@ -422,7 +672,11 @@ class Transformer(nnx.Module):
     attend densely over the whole cache when cfg.attention resolves to dense for its length.
     lora_key (without cache only: training) draws the LoRA adapters' dropout
     (cfg.lora_dropout); without it there is none.
-    Returns (hidden [B, T, hidden_size] after the final norm, new cache or None).
+    Mixtures of experts: expert_ids int [B, T, num_layers, k] force each token's experts in each
+    expert layer (routing replay; a token whose ids are -1 routes itself: `moe_mlp`).
+    Returns (hidden [B, T, hidden_size] after the final norm, new cache or None), and with
+    with_routing (models with experts only) a third item, the `Routing` (the experts chosen,
+    the load-balancing loss of the real tokens).
     """
     cfg = self.cfg
     B, T = tokens.shape
@@ -433,6 +687,9 @@ class Transformer(nnx.Module):
     params = self.layers.arrays()
     layer_ids = jnp.arange(cfg.num_layers)
     scores, flags = scores_of(cfg), local_flags(cfg)
+    if (with_routing or expert_ids is not None) and not cfg.is_moe:
+      raise ValueError("with_routing / expert_ids: the model has no experts (num_experts=0)")
+    forced = None if expert_ids is None else jnp.moveaxis(expert_ids, 2, 0)  # [L, B, T, k]
 
     if cache is None and self._attention(T) == "cudnn":
       # cuDNN takes padding as sequence lengths: rotate each row once so that its real tokens
@@ -447,11 +704,22 @@ class Transformer(nnx.Module):
         scores.window,
         local,
       )
-      x = self._layer_scan(x, rotate(positions, fwd), attend, lora_key)
+      if forced is not None:
+        forced = jax.vmap(lambda a: rotate(a, fwd[:, :, None]))(forced)
+      x, routes = self._layer_scan(
+        x, rotate(positions, fwd), attend, lora_key, forced, rotate(attn_mask, fwd)
+      )
       x = rotate(x, back[:, :, None])
+      if routes is not None:
+        unrotate = jax.vmap(lambda a: rotate(a, back[:, :, None]))
+        routes = routes.replace(
+          expert_ids=unrotate(routes.expert_ids), router_ids=unrotate(routes.router_ids)
+        )
       new_cache = None
     elif cache is None:
-      x = self._layer_scan(embed(tokens), positions, self._self_attend(attn_mask), lora_key)
+      x, routes = self._layer_scan(
+        embed(tokens), positions, self._self_attend(attn_mask), lora_key, forced, attn_mask
+      )
       new_cache = None
     else:
       if cache_index is None:
@@ -471,11 +739,13 @@ class Transformer(nnx.Module):
       causal = (slots <= query_slot)[None] & mask[:, None, :]
       zero = jnp.zeros((), jnp.int32)
       rope = rope_tables(positions, cfg)
+      kinds = moe_flags(cfg)
 
       def step(carry, xs):
         x, ck, cv = carry
-        p, l = xs
+        p, l, ids = xs
         local = None if flags is None else flags[l]
+        moe = None if kinds is None else kinds[l]
 
         def attend(q, k, v, local):
           nonlocal ck, cv
@@ -494,13 +764,19 @@ class Transformer(nnx.Module):
           allowed = ok | (slots == query_slot)[None]
           return attention_lib.dense(q, keys, values, allowed, scores.scale, scores.softcap)
 
-        x = decoder_layer(cfg, p, x, rope, attend, local)
-        return (x, ck, cv), None
+        x, route = routed_decoder_layer(
+          cfg, p, x, rope, attend, local, moe=moe, expert_ids=ids, mask=attn_mask
+        )
+        return (x, ck, cv), route
 
-      (x, ck, cv), _ = jax.lax.scan(step, (x, cache.k, cache.v), (params, layer_ids))
+      xs = (params, layer_ids, forced)
+      (x, ck, cv), routes = jax.lax.scan(step, (x, cache.k, cache.v), xs)
       new_cache = KVCache(k=ck, v=cv, mask=mask)
 
-    return norm(cfg, x, self.final_norm[...]), new_cache
+    hidden = norm(cfg, x, self.final_norm[...])
+    if with_routing:
+      return hidden, new_cache, _routing(cfg, routes, attn_mask)
+    return hidden, new_cache
 
   def decode_step(
     self,
@@ -510,7 +786,8 @@ class Transformer(nnx.Module):
     cache: LayerCache,
     cache_index: jax.Array | int,
     weights: tuple[Sequence[dict[str, jax.Array]], jax.Array],
-  ) -> tuple[jax.Array, LayerCache]:
+    with_routing: bool = False,
+  ) -> tuple[jax.Array, LayerCache] | tuple[jax.Array, LayerCache, jax.Array]:
     """One token per row through the layers unrolled on `weights` (`decode_weights`, made once
     outside the decode loop: a scan would slice the stacked weights at every step, on CPU a copy
     of each layer). tokens, positions int32 [B, 1]; attn_mask bool [B, 1].
@@ -519,7 +796,8 @@ class Transformer(nnx.Module):
     cache does, to the real slots <= cache_index and to its own slot
     (`attention.decode_attention`, over all the cache's slots: the sampler grows the cache in a
     few phases so that a step costs about what the filled length costs).
-    Returns (float32 logits [B, vocab] of the next token, new cache).
+    Returns (float32 logits [B, vocab] of the next token, new cache), and with with_routing
+    (models with experts) the experts each row's token chose, int32 [B, num_layers, k].
     """
     layer_weights, head = weights
     cfg = self.cfg
@@ -530,6 +808,7 @@ class Transformer(nnx.Module):
     zero = jnp.zeros((), jnp.int32)
     mask = jax.lax.dynamic_update_slice(cache.mask, attn_mask.astype(bool), (zero, idx))
     keys, values = list(cache.k), list(cache.v)
+    routes = []
     for l, p in enumerate(layer_weights):
 
       def attend(q, k, v, local, l=l):
@@ -544,10 +823,14 @@ class Transformer(nnx.Module):
         )  # fmt: skip
 
       local = (l in cfg.local_layers) if cfg.windowed else None
-      x = decoder_layer(cfg, p, x, rope, attend, local)
+      x, route = routed_decoder_layer(cfg, p, x, rope, attend, local, moe=cfg.layer_is_moe(l))
+      routes.append(route)
     new_cache = LayerCache(k=tuple(keys), v=tuple(values), mask=mask)
     hidden = norm(cfg, x[:, 0], self.final_norm[...])
-    return final_softcap(cfg, head_logits(hidden, head, tied=True)), new_cache
+    logits = final_softcap(cfg, head_logits(hidden, head, tied=True))
+    if with_routing:
+      return logits, new_cache, jnp.stack([r.expert_ids[:, 0] for r in routes], axis=1)
+    return logits, new_cache
 
   def _attention(self, seq_len: int) -> str:
     """The attention implementation cfg.attention resolves to for `seq_len` tokens."""
@@ -569,11 +852,19 @@ class Transformer(nnx.Module):
     )
 
   def _layer_scan(
-    self, x: jax.Array, positions: jax.Array, attend: Callable, lora_key: jax.Array | None = None
-  ) -> jax.Array:
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    attend: Callable,
+    lora_key: jax.Array | None = None,
+    forced: jax.Array | None = None,
+    mask: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerRoute | None]:
     """The decoder layers (no cache) on x [B, T, D]: a scan over the stacked layer weights,
     each step rematerialised, as `architectures.layer_plan` says for cfg and this shape.
-    lora_key: one dropout key per layer for the LoRA adapters (`decoder_layer`)."""
+    lora_key: one dropout key per layer for the LoRA adapters (`decoder_layer`). Returns (x,
+    the layers' `LayerRoute`s stacked [L, ...], None without experts); forced int [L, B, T, k]:
+    the experts to use (routing replay); mask bool [B, T]: the real tokens."""
     cfg = self.cfg
     rope = rope_tables(positions, cfg)  # outside the scan (and its remat): once per forward
     remat, scan = layer_plan(cfg, *x.shape[:2])
@@ -581,15 +872,16 @@ class Transformer(nnx.Module):
     keys = jax.random.split(lora_key, cfg.num_layers) if dropout else None
 
     def step(x, xs):
-      p, local, key = xs
+      p, local, key, moe, ids = xs
       x = partitioning.constrain_batch(x)
-      return decoder_layer(cfg, p, x, rope, attend, local, key), None
+      return routed_decoder_layer(
+        cfg, p, x, rope, attend, local, key, moe=moe, expert_ids=ids, mask=mask
+      )
 
     if REMAT_POLICIES[remat] is not None:
       step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    xs = (self.layers.arrays(), local_flags(cfg), keys)
-    x, _ = jax.lax.scan(step, x, xs, unroll=not scan)
-    return x
+    xs = (self.layers.arrays(), local_flags(cfg), keys, moe_flags(cfg), forced)
+    return jax.lax.scan(step, x, xs, unroll=not scan)
 
   def shared_prompt_hidden(
     self,
@@ -600,7 +892,9 @@ class Transformer(nnx.Module):
     prompt_len: int,
     group_size: int,
     lora_key: jax.Array | None = None,
-  ) -> jax.Array:
+    expert_ids: jax.Array | None = None,
+    with_routing: bool = False,
+  ) -> jax.Array | tuple[jax.Array, Routing]:
     """Hidden states of the response part of rows that come in groups sharing one prompt,
     running each prompt through the layers once instead of once per row.
 
@@ -618,6 +912,9 @@ class Transformer(nnx.Module):
     times there, a small share of a layer), and packs the result back, reading each prompt's
     outputs from its group's first row. The backward sums each prompt's gradients over its G
     rows through the broadcast.
+    expert_ids [N, L, num_layers, k] and with_routing as in `__call__` (each prompt's forced
+    experts read from its group's first row; the routing's expert_ids come back [N, L, ...]
+    and its load-balancing loss counts each prompt token once).
     """
     N, L = tokens.shape
     G, P = group_size, prompt_len
@@ -641,12 +938,22 @@ class Transformer(nnx.Module):
 
     attend = self._shared_prefix_attend(attn_mask.astype(bool), pack, unpack, P, G)
 
+    if (with_routing or expert_ids is not None) and not self.cfg.is_moe:
+      raise ValueError("with_routing / expert_ids: the model has no experts (num_experts=0)")
+    forced = None if expert_ids is None else jnp.moveaxis(pack(expert_ids), 2, 0)
     x = embed_tokens(self.cfg, self.embed[...], pack(tokens))
-    x = self._layer_scan(x, pack(positions), attend, lora_key)
+    packed_mask = pack(attn_mask.astype(bool))
+    x, routes = self._layer_scan(x, pack(positions), attend, lora_key, forced, packed_mask)
     x = norm(self.cfg, x, self.final_norm[...])
     last = jnp.broadcast_to(x[:, None, P - 1 : P], (ngroups, G, 1, x.shape[-1]))
     conts = x[:, P:].reshape(ngroups, G, R, x.shape[-1])
-    return jnp.concatenate([last, conts], axis=2).reshape(N, R + 1, x.shape[-1])
+    hidden = jnp.concatenate([last, conts], axis=2).reshape(N, R + 1, x.shape[-1])
+    if not with_routing:
+      return hidden
+    routing = _routing(self.cfg, routes, packed_mask)
+    return hidden, routing.replace(
+      expert_ids=unpack(routing.expert_ids), router_ids=unpack(routing.router_ids)
+    )
 
   def _shared_prefix_attend(self, attn_mask, pack, unpack, P, G) -> Callable:
     """attend(q, k, v) on packed groups (`shared_prompt_hidden`). Where the packed sequence is

@@ -1,14 +1,15 @@
 """Logical-axis sharding rules: model parameters name their axes, a rules table places them.
 
 Parameters in model.py carry logical axis names ("embed", "vocab", "mlp", "heads", "kv_heads",
-"head_dim", "layers", LoRA's "lora") as `out_sharding` metadata on their `nnx.Param`. A rules
-table maps each name to mesh axes (`data`, `fsdp`, `tensor`), so a new mesh shape is a config
-change only.
+"head_dim", "layers", LoRA's "lora", a mixture of experts' "expert", "expert_mlp" and "router")
+as `out_sharding` metadata on their `nnx.Param`. A rules table maps each name to mesh axes
+(`data`, `fsdp`, `tensor`, and `expert` where the mesh has it: expert parallelism), so a new
+mesh shape is a config change only.
 A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
 earlier dimension of the same array is dropped (that dimension is then replicated over it), so
 tiny test models and odd head counts never fail to shard. Batches are not named by rules: their
-leading axis is split over `BATCH_AXES` (data x fsdp); `batch_spec` is that PartitionSpec and
-`constrain_batch` pins activations to it inside a jit.
+leading axis is split over `BATCH_AXES` (data x fsdp x expert); `batch_spec` is that
+PartitionSpec and `constrain_batch` pins activations to it inside a jit.
 
 Meshes must use `jax.sharding.AxisType.Auto` axes: the model pins no activation shardings and
 lets XLA propagate them from the parameters and the batch.
@@ -28,6 +29,10 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# Expert parallelism: the experts' stacked axis is split over this mesh axis, which also splits
+# the batch (each device routes its own tokens; XLA moves the token rows to their experts' devices
+# and back). Meshes have it only when it is larger than 1 (`sharding.make_mesh`).
+EXPERT_AXIS = "expert"
 
 # FSDP over the embedding dimension, tensor parallelism over heads / mlp / vocab.
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
@@ -41,10 +46,22 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
   # LoRA's rank dimension: FSDP where the adapter's other dimensions do not take it already
   # (B [r, heads, head_dim] of q, k, v has no embed dimension).
   ("lora", "fsdp"),
+  # A mixture of experts: each expert whole on the devices of the expert axis that hold it, its
+  # weights split like the dense MLP's otherwise (embed over fsdp, its intermediate over tensor);
+  # the small router [embed, experts] is replicated over the expert axis.
+  ("expert", EXPERT_AXIS),
+  ("expert_mlp", "tensor"),
+  ("router", None),
 )
 # Batches (rollouts, mini-batches, prompts and every batch-major activation) split their leading
 # axis over these mesh axes; `batch_spec` is the one place that turns this into a PartitionSpec.
-BATCH_AXES = ("data", "fsdp")
+# Absent mesh axes are skipped (`batch_axes`): meshes without experts have no expert axis.
+BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
+
+
+def batch_axes(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[str, ...]:
+  """The BATCH_AXES that `mesh` has."""
+  return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -143,7 +160,7 @@ def batch_spec(shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh) -> 
 
 
 def constrain_batch(tree: Any) -> Any:
-  """Pins batch-major activations (leading axis) to data x fsdp on the ambient mesh.
+  """Pins batch-major activations (leading axis) to data x fsdp (x expert) on the ambient mesh.
 
   A no-op without an ambient mesh (`jax.set_mesh` / `jax.sharding.use_abstract_mesh`), so model
   and training code call it unconditionally; the sharded jits of `gppo_jax.models.sharding` and
@@ -151,7 +168,7 @@ def constrain_batch(tree: Any) -> Any:
   the batch split, and every device computes the whole mini-batch.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+  if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
     return tree
 
   def pin(x):

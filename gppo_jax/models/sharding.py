@@ -3,14 +3,15 @@
 The shell calls these in order:
 
   maybe_initialize_distributed()             # multi-host: before any other jax call
-  mesh = make_mesh(config.mesh)              # axes data x fsdp x tensor (-1 = the rest)
+  mesh = make_mesh(config.mesh)              # data x fsdp x tensor [x expert] (-1 = the rest)
   shardings = state_shardings(state, mesh)   # params by logical axes, optimizer state mirrors them
   state = jax.device_put(state, shardings)
   update = jit_update(update_fn, shardings, batch_shardings(batch, mesh))
   state, metrics = update(state, shard_batch(batch_np, mesh), rng)
 
 Parameters are placed by the logical-axis rules of `partitioning.py`; batches are split on their
-leading axis over `partitioning.BATCH_AXES` (data x fsdp). Meshes use Auto axes: XLA propagates the
+leading axis over `partitioning.BATCH_AXES` (data x fsdp, x expert where the mesh has it: a
+mixture of experts' expert parallelism). Meshes use Auto axes: XLA propagates the
 activation shardings from parameters and batch, and `partitioning.constrain_batch` pins a
 batch-major activation where propagation alone would replicate it (e.g. after the minibatch
 shuffle, a gather). Sampling on the mesh is `sampler.MeshSampler`, built on the helpers here.
@@ -37,6 +38,7 @@ from gppo_jax.models import partitioning
 log = logging.getLogger(__name__)
 
 MESH_AXES = partitioning.MESH_AXES  # ("data", "fsdp", "tensor")
+EXPERT_AXIS = partitioning.EXPERT_AXIS  # a fourth axis where the mesh config asks for it
 # Set to 1/true by the launch scripts on multi-host slices (see launch/README.md).
 DISTRIBUTED_ENV = "GPPO_DISTRIBUTED"
 _DISTRIBUTED_VARS = (
@@ -49,15 +51,27 @@ _DISTRIBUTED_VARS = (
 # --- Mesh --------------------------------------------------------------------------------------
 
 
-def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) sizes from a config mapping; at most one size may be -1 (the rest)."""
+def mesh_axes(mesh_cfg: Mapping[str, int]) -> tuple[str, ...]:
+  """The mesh's axes: MESH_AXES, then `expert` when the config asks for it (a size other than 1)."""
+  unknown = sorted(set(mesh_cfg) - {*MESH_AXES, EXPERT_AXIS})
+  if unknown:
+    raise ValueError(f"mesh axes {unknown}: unknown; valid: {(*MESH_AXES, EXPERT_AXIS)}")
+  if int(mesh_cfg.get(EXPERT_AXIS, 1)) != 1:
+    return (*MESH_AXES, EXPERT_AXIS)
+  return MESH_AXES
+
+
+def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor[, expert]) sizes (`mesh_axes`) from a config mapping; at most one size
+  may be -1 (the rest)."""
   sizes = []
-  for name in MESH_AXES:
+  axes = mesh_axes(mesh_cfg)
+  for name in axes:
     size = int(mesh_cfg.get(name, 1))
     if size == 0 or size < -1:
       raise ValueError(f"mesh.{name}={size}: sizes must be positive or -1 (the rest)")
     sizes.append(size)
-  named = dict(zip(MESH_AXES, sizes, strict=True))
+  named = dict(zip(axes, sizes, strict=True))
   if sizes.count(-1) > 1:
     raise ValueError(f"mesh {named}: at most one axis may be -1")
   known = math.prod(s for s in sizes if s != -1)
@@ -66,17 +80,34 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> tuple[int, int,
       raise ValueError(f"mesh {named}: {num_devices} devices are not divisible by {known}")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    named = dict(zip(MESH_AXES, sizes, strict=True))
+    named = dict(zip(axes, sizes, strict=True))
     raise ValueError(f"mesh {named} needs {math.prod(sizes)} devices, found {num_devices}")
   return tuple(sizes)
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all) with Auto axis types."""
+  """A (data, fsdp, tensor[, expert]) mesh over `devices` (default: all) with Auto axis types."""
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(mesh_cfg, len(devices))
-  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  axes = mesh_axes(mesh_cfg)
+  auto = (jax.sharding.AxisType.Auto,) * len(axes)
+  return jax.make_mesh(shape, axes, axis_types=auto, devices=devices)
+
+
+def check_experts(cfg, mesh_sizes: Mapping[str, int]) -> None:
+  """ConfigError unless the mesh's expert axis (size 1 when absent) splits the model's experts
+  evenly: a model without experts takes no expert axis, and its size must divide num_experts."""
+  n = int(mesh_sizes.get(EXPERT_AXIS, 1))
+  if n == 1:
+    return
+  if not cfg.num_experts:
+    raise errors.ConfigError(
+      f"mesh.expert={n}: the model has no experts (num_experts=0); use mesh.expert=1"
+    )
+  if cfg.num_experts % n:
+    raise errors.ConfigError(
+      f"mesh.expert={n} does not divide the model's num_experts={cfg.num_experts}"
+    )
 
 
 _distributed_initialized = False
@@ -153,8 +184,9 @@ def state_shardings(state: Any, mesh: Mesh, rules: partitioning.Rules | None = N
 
 
 def batch_shardings(batch: Any, mesh: Mesh) -> Any:
-  """NamedSharding pytree for a batch: leading axis over data x fsdp (axes that do not divide it
-  are dropped), scalars replicated. `batch` may hold arrays or ShapeDtypeStructs."""
+  """NamedSharding pytree for a batch: leading axis over data x fsdp x expert (axes that are
+  absent or do not divide it are dropped), scalars replicated. `batch` may hold arrays or
+  ShapeDtypeStructs."""
   return jax.tree.map(
     lambda x: NamedSharding(mesh, partitioning.batch_spec(np.shape(x), mesh)), batch
   )
@@ -344,10 +376,11 @@ def jit_logprobs(logprob_fn: Callable, param_shardings: Any, batch_shardings: An
   `.__wrapped__` works too)."""
   mesh = jax.tree.leaves(param_shardings)[0].mesh
   fn = getattr(logprob_fn, "__wrapped__", logprob_fn)
-  out = NamedSharding(mesh, PartitionSpec(partitioning.BATCH_AXES))
+  out = NamedSharding(mesh, PartitionSpec(partitioning.batch_axes(mesh)))
   return jax.jit(fn, in_shardings=(param_shardings, batch_shardings), out_shardings=out)
 
 
 def batch_shards(mesh: Mesh) -> int:
-  """How many ways a batch is split (data x fsdp sizes): batch sizes should be multiples."""
-  return math.prod(mesh.shape[a] for a in partitioning.BATCH_AXES)
+  """How many ways a batch is split (data x fsdp x expert sizes): batch sizes should be
+  multiples."""
+  return math.prod(mesh.shape[a] for a in partitioning.batch_axes(mesh))

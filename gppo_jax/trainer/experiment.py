@@ -243,6 +243,7 @@ def sampling_params(config, env, *, stop_ids, pad_id) -> sampler.SamplingParams:
     pad_id=pad_id,
     num_topk=r.num_topk,
     logprobs_mode=train_step.LOGPROBS_MODES[r.get("logprobs_mode", "full")],
+    record_experts=bool(r.get("routing_replay", False)),
   )
 
 
@@ -426,6 +427,7 @@ def sample_fn(config, graphdef, param_shardings, mesh):
       f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
     )
   engine = continuous.EngineConfig(
-    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk
-  )
+    slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk,
+    attention=r.get("paged_attention", "auto"),
+  )  # fmt: skip
   return continuous.EngineSampler(graphdef, engine, mesh)

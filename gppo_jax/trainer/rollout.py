@@ -219,6 +219,8 @@ def collect(
     optional = dict(topk_logq=out.topk_logprobs, topk_ids=out.topk_ids)
   if out.kept_ids is not None:  # logprobs_mode "sampled": the set the update renormalises over
     optional["kept_ids"] = out.kept_ids
+  if out.expert_ids is not None:  # rollout.routing_replay: the experts the update reuses
+    optional["expert_ids"] = out.expert_ids
   batch = train_step.build_batch(
     batch_groups.prompt_tokens,
     batch_groups.prompt_mask,

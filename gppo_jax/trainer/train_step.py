@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from gppo_jax import errors
 from gppo_jax.algorithm import objective
 from gppo_jax.models import model as model_lib
 from gppo_jax.models import partitioning
@@ -46,6 +47,9 @@ class Batch:
   kept_ids: Any = None  # int32 [N, R, top_k]
   # rollout.correction="tis": truncated importance weights min(pi_old / mu, C) of the policy term.
   is_weight: Any = None  # float32 [N, R]
+  # rollout.routing_replay (mixtures of experts): the experts the sampler routed each response
+  # token's input to (`sampler.SampleOutput.expert_ids`), which the update's forward reuses.
+  expert_ids: Any = None  # int16 [N, R, num_layers, k] (sampler.EXPERT_ID_DTYPE)
 
   @property
   def num_rows(self) -> int:
@@ -135,9 +139,19 @@ def optimizer_from_config(config) -> optax.GradientTransformation:
   )
 
 
-def update_spec_from_config(config, prompt_len: int, response_len: int) -> UpdateSpec:
-  """The static shape of one update (epochs, mini/micro-batches) and its loss, from a config."""
+def update_spec_from_config(
+  config, prompt_len: int, response_len: int, model_cfg: model_lib.ModelConfig | None = None
+) -> UpdateSpec:
+  """The static shape of one update (epochs, mini/micro-batches) and its loss, from a config
+  (and the model's, for a mixture of experts' routing replay)."""
   u = config.train
+  replay = config.rollout.get("routing_replay", False)
+  if replay and (model_cfg is None or not model_cfg.is_moe):
+    raise errors.ConfigError(
+      "rollout.routing_replay=True: the model has no experts (a mixture of experts replays "
+      "the sampler's routing)"
+    )
+  moe = config.model.get("moe")
   return UpdateSpec(
     prompt_len=prompt_len,
     loss=objective.LossConfig.from_config(config.loss, response_len),
@@ -148,6 +162,8 @@ def update_spec_from_config(config, prompt_len: int, response_len: int) -> Updat
     kept_width=kept_width(config.rollout),
     group_size=config.rollout.group_size if u.get("shuffle", "rows") == "groups" else 1,
     is_weight=config.rollout.get("correction", "none") == "tis",
+    router_aux_coef=float(moe.aux_loss_coef) if moe is not None else 0.0,
+    routing_shape=(model_cfg.num_layers, model_cfg.num_experts_per_tok) if replay else (),
   )
 
 
@@ -197,6 +213,7 @@ def abstract_batch(
     topk_ids=s((n, R, K), jnp.int32) if spec.use_topk else None,
     kept_ids=s((n, R, spec.kept_width), jnp.int32) if spec.kept_width else None,
     is_weight=s((n, R), jnp.float32) if spec.is_weight else None,
+    expert_ids=s((n, R, *spec.routing_shape), jnp.int16) if spec.routing_shape else None,
   )
 
 
@@ -269,6 +286,7 @@ def _response_stats(
   gather=False,
   group_size=1,
   lora_key=None,
+  routing=None,
 ):
   """Log-probs of the response tokens ("logprobs" [N, R]; with gather, "gathered_logprobs" of
   batch.topk_ids [N, R, K]; with entropy, "entropy"). With batch.kept_ids (logprobs_mode "sampled")
@@ -276,19 +294,29 @@ def _response_stats(
   (`truncate_to_kept`); the entropy stays that of the full tempered distribution.
   group_size > 1: the rows come in groups of that many sharing their prompt, and each prompt
   runs through the model once (`Transformer.shared_prompt_hidden`). lora_key: the LoRA
-  adapters' dropout (training passes)."""
+  adapters' dropout (training passes). Mixtures of experts: with batch.expert_ids the response
+  tokens' inputs take the sampler's experts (routing replay; the prompt's other tokens route
+  themselves), and a dict passed as `routing` receives the forward's `model.Routing` under
+  "routing"."""
+  moe = model.cfg.is_moe
+  kw = dict(lora_key=lora_key)
+  if moe:
+    kw.update(with_routing=True, expert_ids=_forced_experts(batch, prompt_len))
   if group_size > 1:
-    hidden = model.shared_prompt_hidden(
+    out = model.shared_prompt_hidden(
       batch.inputs,
       batch.positions,
       batch.attn,
       prompt_len=prompt_len,
       group_size=group_size,
-      lora_key=lora_key,
+      **kw,
     )
+    hidden, route = out if moe else (out, None)
   else:
-    hidden, _ = model(batch.inputs, batch.positions, attn_mask=batch.attn, lora_key=lora_key)
-    hidden = hidden[:, prompt_len - 1 :]
+    out = model(batch.inputs, batch.positions, attn_mask=batch.attn, **kw)
+    hidden, route = out[0][:, prompt_len - 1 :], (out[2] if moe else None)
+  if routing is not None and route is not None:
+    routing["routing"] = route
   targets = batch.targets[:, prompt_len - 1 :]
   ids = []
   if gather:
@@ -310,6 +338,28 @@ def _response_stats(
   if gather:
     stats["gathered_logprobs"] = topk
   return stats
+
+
+def _forced_experts(batch, prompt_len: int):
+  """int32 [N, L, num_layers, k]: batch.expert_ids (response-aligned: column j is the input
+  P - 1 + j) placed on the sequence, -1 (route yourself) on the prompt's first P - 1 inputs;
+  None without recorded experts."""
+  if batch.expert_ids is None:
+    return None
+  ids = batch.expert_ids.astype(jnp.int32)
+  L = batch.inputs.shape[1]
+  pad = jnp.full((ids.shape[0], prompt_len - 1, *ids.shape[2:]), -1, jnp.int32)
+  return jnp.concatenate([pad, ids], axis=1)[:, :L]
+
+
+def routing_flips(router_ids, recorded, mask):
+  """The share of (response token, expert layer) pairs whose router's own top-k set differs
+  from the recorded one (`sampler.SampleOutput.expert_ids`): router_ids, recorded int
+  [N, R, num_layers, k] (-1 in dense layers), mask bool [N, R]."""
+  same = jnp.all(jnp.sort(router_ids, -1) == jnp.sort(recorded, -1), axis=-1)  # [N, R, L]
+  counted = mask[:, :, None] & (recorded[..., 0] >= 0)
+  n = jnp.sum(counted)
+  return jnp.sum(counted & ~same) / jnp.maximum(n, 1)
 
 
 def truncate_to_kept(logp, kept_logp, kept_ids, topk_logp=None, topk_ids=None):
@@ -369,6 +419,11 @@ class UpdateSpec:
   group_size: int = 1
   # rollout.correction="tis": the batch carries is_weight, which weights each token's policy term.
   is_weight: bool = False
+  # Mixtures of experts: model.moe.aux_loss_coef, the weight of the router's load-balancing loss
+  # (`model.router_aux_loss`) in the loss; rollout.routing_replay: the batch carries the sampler's
+  # experts, (num_layers, k) each token (`Batch.expert_ids`), and the forward reuses them.
+  router_aux_coef: float = 0.0
+  routing_shape: tuple[int, ...] = ()
 
   @property
   def use_topk(self) -> bool:
@@ -400,6 +455,7 @@ def make_update_fn(
 
   def loss_fn(params, frozen, mb, normalizer, key):
     model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
+    routing = {}
     stats = _response_stats(
       model,
       mb,
@@ -409,8 +465,16 @@ def make_update_fn(
       gather=spec.use_topk,
       group_size=spec.group_size,
       lora_key=key,
+      routing=routing,
     )
     extra: dict[str, Any] = {}
+    moe_metrics = {}
+    if "routing" in routing:
+      r = routing["routing"]
+      moe_metrics["moe/aux_loss"] = r.aux_loss
+      if mb.expert_ids is not None:
+        ids = r.router_ids[:, spec.prompt_len - 1 :]
+        moe_metrics["moe/routing_flips"] = routing_flips(ids, mb.expert_ids, mb.mask)
     if spec.use_topk:
       extra["estimator_kwargs"] = dict(
         topk_logp=stats["gathered_logprobs"],
@@ -424,9 +488,14 @@ def make_update_fn(
       extra["entropy"] = stats["entropy"]
     if spec.is_weight:
       extra["token_weight"] = mb.is_weight
-    return objective.policy_loss(
+    loss, metrics = objective.policy_loss(
       stats["logprobs"], mb.logq, mb.adv, mb.mask, loss_cfg, normalizer=normalizer, **extra
     )
+    if spec.router_aux_coef and "moe/aux_loss" in moe_metrics:
+      # Each micro-batch adds its share: the mini-batch's gradient is that of the mean.
+      aux = moe_metrics["moe/aux_loss"] * (spec.router_aux_coef / spec.microbatches)
+      loss = loss + aux
+    return loss, {**metrics, **moe_metrics}
 
   grad_fn = jax.grad(loss_fn, has_aux=True)
 
