@@ -430,7 +430,6 @@ def _rewards(c, workdir) -> list[float]:
 LORA_LEARNING_MARGIN = 0.1
 
 
-@pytest.mark.user_xla
 def test_lora_policy_learns_on_a_tiny_task(tmp_path):
   """Rank-8 LoRA (alpha 16, lr 3e-3) on the warm-started char policy beats the same run with
   the policy frozen: mean reward over the last 4 iterations, paired (same prompts and sampling
