@@ -88,12 +88,12 @@ def test_responses_average_at_least_64_tokens():
 def test_the_reward_checks_the_final_answer():
   p = TASK.sample(np.random.default_rng(1), 1)[0]
   wrong = str((int(p.answer) + 1) % 10)
-  marker = TASK.word_class(TASK.answer_class)[5]  # any synonym of the marker
-  verb = TASK.word_class(TASK.verb_class)[0]
+  marker, verb = tasks.ANSWER, tasks.VERB
   assert TASK.reward(f"{marker} {p.answer}", p) == 1.0  # only the final answer is read
   assert TASK.reward(f" {marker}  {p.answer} ", p) == 1.0
   assert TASK.reward(p.solution[: -len(p.answer)] + wrong, p) == 0.0  # the wrong state
-  assert TASK.reward(f"{verb} {p.answer}", p) == 0.0  # not an answer marker
+  assert TASK.reward(f"{verb} {p.answer}", p) == 0.0  # not the answer marker
+  assert TASK.reward(f"{TASK.word_class(0)[0]} {p.answer}", p) == 0.0
   assert TASK.reward(f"{marker} {p.answer} {marker}", p) == 0.0  # not at the end
   assert TASK.reward(p.answer, p) == 0.0 and TASK.reward("", p) == 0.0
   # A response that breaks the language scores on its answer, but does not parse.
@@ -105,7 +105,7 @@ def test_bad_task_parameters_are_named():
   with pytest.raises(ValueError, match="steps=0"):
     tasks.WordChain("bad", steps=0)
   with pytest.raises(ValueError, match="need more than the 4900 synthetic words"):
-    tasks.WordChain("bad", class_size=600)
+    tasks.WordChain("bad", class_size=700)
   with pytest.raises(ValueError, match="phrase_slots"):
     tasks.WordChain("bad", phrase_slots=(0.5, 0.0))
   with pytest.raises(ValueError, match="outside"):
@@ -118,7 +118,7 @@ def test_the_env_serves_word_prompts():
   assert env.max_new_tokens == TASK.max_answer_len + 1
   prompts = env.train_prompts(4)
   assert all(len(p.token_ids) == env.max_prompt_len for p in prompts)
-  texts = [f"{TASK.word_class(TASK.answer_class)[0]} {p.gold}" for p in prompts]
+  texts = [f"{tasks.ANSWER} {p.gold}" for p in prompts]
   rewards, valid, _ = env.score(texts + ["nothing"] * 4, prompts + prompts)
   assert rewards.tolist() == [1.0] * 4 + [0.0] * 4 and valid.all()
 

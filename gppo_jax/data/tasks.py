@@ -188,19 +188,22 @@ def _mixture(name, comps, weights, description):
 # thousands, responses of about 70 tokens, and most sampled tokens unlikely under the policy.
 #
 # The problem is a short state-tracking program: a start digit and `steps` labelled operations
-# (add or subtract a digit, modulo 10). The response works through the program one step at a time
-# in a synthetic language and ends with the final state:
+# (add or subtract 1 or 2, modulo 10). The response works through the program one step at a
+# time in a synthetic language and ends with the final state:
 #
-#   prompt:    start 4 s1 +3 s2 -7 ... s6 +5 ?
-#   response:  <phrase> s1 4 +3 <verb> 7 <phrase> s2 7 -7 <verb> 0 ... <phrase> <answer> 5 <eos>
+#   prompt:    start 4 s1 +2 s2 -1 ... s6 +1 ?
+#   response:  <phrase> s1 +2 4 gives 6 <phrase> s2 -1 6 gives 5 ... <phrase> answer 7 <eos>
 #
-# Each step's content (its label, the state before, the operation, the state after) is a few
-# determined tokens; every <phrase> is a run of optional filler slots and <verb> / <answer> one
-# slot each, and each slot's word is drawn from its own class of hundreds of interchangeable
-# synonyms with Zipfian frequencies: a policy that models the language well is still uncertain
-# over many low-probability words, as an LLM is over its phrasing. The reward reads only the final
-# answer: the response must end with an <answer>-class word and the right digit.
+# Each step's content (its label and operation, copied from the prompt, the state before, `gives`,
+# the state after) is five determined tokens. Every <phrase> is a run of optional filler slots,
+# each slot's word drawn from its own class of hundreds of interchangeable synonyms with Zipfian
+# frequencies: a policy that models the language well is still uncertain over many
+# low-probability words, as an LLM is over its phrasing. The reward reads only the final answer:
+# the response must end with `answer` and the right digit. The words a greedy decoder must get
+# right are single tokens, never a class of synonyms: a class of hundreds would lose the argmax to
+# a single wrong token of lower total probability.
 
+VERB, ANSWER = "gives", "answer"  # the two fixed words of a response besides its content
 # Synthetic words: consonant-vowel syllables, two per word (70 x 70 = 4900 distinct words).
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -277,14 +280,16 @@ class WordTokenizer:
 class WordChain:
   """A state-tracking program written out step by step in a synthetic word language (above).
 
-  steps: operations per problem; class_size: synonyms per word class; zipf: the exponent s of
-  the synonyms' frequencies (rank r, from 1, has weight r^-s); phrase_slots: for each optional
-  slot of a filler phrase, the probability that it is present (each slot has its own class).
+  steps: operations per problem, each adding or subtracting 1..max_operand; class_size: synonyms
+  per word class; zipf: the exponent s of the synonyms' frequencies (rank r, from 1, has weight
+  r^-s); phrase_slots: for each optional slot of a filler phrase, the probability that it is
+  present (each slot has its own class of words).
   """
 
   name: str
   steps: int = 6
-  class_size: int = 410
+  max_operand: int = 2
+  class_size: int = 512
   zipf: float = 1.0
   phrase_slots: tuple[float, ...] = (0.8, 0.7, 0.7, 0.6, 0.8, 0.6, 0.7, 0.6)
   eval_fraction: float = 0.1
@@ -297,11 +302,13 @@ class WordChain:
     problems = []
     if not (isinstance(self.steps, int) and 1 <= self.steps <= 99):
       problems.append(f"steps={self.steps!r} must be an integer in [1, 99]")
+    if not (isinstance(self.max_operand, int) and 1 <= self.max_operand < self.modulus):
+      problems.append(f"max_operand={self.max_operand!r} must be an integer in [1, 9]")
     if not (isinstance(self.class_size, int) and self.class_size >= 1):
       problems.append(f"class_size={self.class_size!r} must be an integer >= 1")
-    elif (len(self.phrase_slots) + 2) * self.class_size > _NUM_WORDS:
+    elif len(self.phrase_slots) * self.class_size > _NUM_WORDS:
       problems.append(
-        f"{len(self.phrase_slots) + 2} word classes of class_size={self.class_size} need more "
+        f"{len(self.phrase_slots)} word classes of class_size={self.class_size} need more "
         f"than the {_NUM_WORDS} synthetic words"
       )
     if not self.zipf >= 0:
@@ -315,26 +322,18 @@ class WordChain:
 
   @property
   def num_classes(self) -> int:
-    """Word classes: one per phrase slot, then the verb and the answer marker."""
-    return len(self.phrase_slots) + 2
+    """Word classes: one per phrase slot."""
+    return len(self.phrase_slots)
 
   def word_class(self, c: int) -> tuple[str, ...]:
     """The synonyms of class c, most frequent first."""
     return _word_classes(self.class_size, self.num_classes)[c]
 
-  @property
-  def verb_class(self) -> int:
-    return len(self.phrase_slots)
-
-  @property
-  def answer_class(self) -> int:
-    return len(self.phrase_slots) + 1
-
   def content_words(self) -> tuple[str, ...]:
     digits = tuple(str(d) for d in range(self.modulus))
-    ops = tuple(f"{s}{d}" for s in "+-" for d in range(1, self.modulus))
+    ops = tuple(f"{s}{d}" for s in "+-" for d in range(1, self.max_operand + 1))
     labels = tuple(f"s{k}" for k in range(1, self.steps + 1))
-    return (*digits, *ops, *labels, "start", "?")
+    return (*digits, *ops, *labels, "start", "?", VERB, ANSWER)
 
   def tokenizer(self) -> WordTokenizer:
     return _word_tokenizer(self.content_words(), self.class_size, self.num_classes)
@@ -368,7 +367,7 @@ class WordChain:
     slots = len(self.phrase_slots)
     present = rng.random((self.steps + 1, slots)) < np.asarray(self.phrase_slots)
     picks = np.minimum(
-      cdf.searchsorted(rng.random((self.steps + 1, slots + 1)), side="right"), self.class_size - 1
+      cdf.searchsorted(rng.random((self.steps + 1, slots)), side="right"), self.class_size - 1
     )
     classes = _word_classes(self.class_size, self.num_classes)
 
@@ -379,17 +378,16 @@ class WordChain:
     for k, op in enumerate(ops):
       new = (state + op) % self.modulus
       words += phrase(k)
-      words += [f"s{k + 1}", str(state), f"{op:+d}", classes[self.verb_class][picks[k, slots]]]
-      words.append(str(new))
+      words += [f"s{k + 1}", f"{op:+d}", str(state), VERB, str(new)]
       state = new
     words += phrase(self.steps)
-    words += [classes[self.answer_class][picks[self.steps, slots]], str(state)]
+    words += [ANSWER, str(state)]
     return " ".join(words)
 
   def _problem(self, rng: np.random.Generator) -> tuple[str, str, int, list[int]]:
     start = int(rng.integers(self.modulus))
     signs = rng.integers(2, size=self.steps)
-    amounts = rng.integers(1, self.modulus, size=self.steps)
+    amounts = rng.integers(1, self.max_operand + 1, size=self.steps)
     ops = [int(a) if s else -int(a) for s, a in zip(signs, amounts, strict=True)]
     prompt = " ".join(
       ["start", str(start)] + [w for k, op in enumerate(ops) for w in (f"s{k + 1}", f"{op:+d}")]
@@ -417,10 +415,9 @@ class WordChain:
     return self.sample(np.random.default_rng(seed), n, split="eval")
 
   def reward(self, response: str, problem: Problem) -> float:
-    """1 if the response ends with an answer-marker word and the right final state, else 0."""
+    """1 if the response ends with `answer` and the right final state, else 0."""
     words = response.split()
-    answers = _class_sets(self.class_size, self.num_classes)[self.answer_class]
-    return float(len(words) >= 2 and words[-2] in answers and words[-1] == problem.answer)
+    return float(len(words) >= 2 and words[-2] == ANSWER and words[-1] == problem.answer)
 
   def states(self, response: str) -> list[int] | None:
     """The states a well-formed response writes after each step (the last one being its answer),
@@ -442,19 +439,20 @@ class WordChain:
     for k in range(self.steps):
       i = skip_phrase(i)
       step = words[i : i + 5]
-      if len(step) < 5 or step[0] != f"s{k + 1}" or step[1] not in digits:
+      if len(step) < 5 or step[0] != f"s{k + 1}" or step[2] not in digits:
         return None
-      if (state is not None and int(step[1]) != state) or step[4] not in digits:
+      if (state is not None and int(step[2]) != state) or step[4] not in digits:
         return None
-      if not (len(step[2]) == 2 and step[2][0] in "+-" and step[2][1] in digits - {"0"}):
+      ops = {f"{s}{d}" for s in "+-" for d in range(1, self.max_operand + 1)}
+      if step[1] not in ops:
         return None
-      if step[3] not in sets[self.verb_class]:
+      if step[3] != VERB:
         return None
       state = int(step[4])
       out.append(state)
       i += 5
     i = skip_phrase(i)
-    if words[i:-2] or len(words) - i != 2 or words[i] not in sets[self.answer_class]:
+    if len(words) - i != 2 or words[i] != ANSWER:
       return None
     if words[-1] not in digits or int(words[-1]) != state:
       return None
@@ -548,7 +546,7 @@ TASKS: dict[str, Task | WordChain] = {
   "wordchain": WordChain(
     "wordchain",
     description="a 6-step state-tracking program worked through in a synthetic word language "
-    "(4,139 words, responses of about 71 tokens): most sampled tokens are rare, as in an LLM; "
+    "(4,123 words, responses of about 71 tokens): most sampled tokens are rare, as in an LLM; "
     "configs/base.py:task=wordchain sets its model and run",
   ),
 }
