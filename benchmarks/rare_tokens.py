@@ -78,6 +78,7 @@ def measure(task: str, seed: int, prompts: int, group: int, below: float) -> dic
     "reward": float(np.mean(rewards)),
     "warm_acc": float(info.get("accuracy", float("nan"))),
     "warm_steps": int(info.get("steps", 0)),
+    "warm_s": float(info.get("seconds", float("nan"))),
     "tokens": int(mask.sum()),
   }
 
@@ -100,7 +101,7 @@ def main() -> None:
         f"response tokens have q < {args.below:g} (median q {res['q_median']:.3f}); mean "
         f"length {res['length_mean']:.1f} tokens; vocabulary {res['vocab']}; entropy "
         f"{res['entropy']:.2f} nats; reward {res['reward']:.3f}; warm start {res['warm_acc']:.3f} "
-        f"after {res['warm_steps']} steps",
+        f"after {res['warm_steps']} steps ({res['warm_s']:.0f} s)",
         flush=True,
       )
   print(json.dumps(results))
