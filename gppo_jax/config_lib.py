@@ -2,7 +2,8 @@
 
 `get_config(arg)` in every config file accepts a comma-separated argument string:
   smoke         a seconds-long run of every stage (tests, first try on a new machine)
-  task=NAME     another built-in task (see gppo_jax.data.tasks.TASKS)
+  task=NAME     another built-in task (see gppo_jax.data.tasks.TASKS), with its run settings
+                (TASK_RUNS: the word task `wordchain` needs longer responses and a smaller batch)
 (the real-run configs also take a hardware variant, REAL_RUN_VARIANTS, and `cell=NAME`: a grid
 cell such as kl_atomic or a preset such as dapo, `algorithm`); any other argument is an error.
 Everything else is overridden on the command line: `--config.loss.delta_high=0.05`.
@@ -87,6 +88,46 @@ def _task_arg(args: Mapping[str, str]) -> str:
   if name not in tasks.TASKS:
     raise errors.unknown_name("built-in task", name, tasks.TASKS, " (config argument task=NAME)")
   return name
+
+
+# Run settings of the built-in tasks that the default run does not fit, applied by the config
+# argument task=NAME (`--config=configs/kl_atomic.py:task=wordchain`). Each task's response length
+# (rollout.max_new_tokens = its longest response + the end token) is set for every task that has
+# an entry here, with `smoke` too; the rest only without `smoke`, which keeps its own sizes.
+# wordchain: responses of about 71 tokens over a 4,123-word vocabulary, many times addsub3's work
+# per response; the batch, iterations and evaluations are cut so that its grid of 104 runs fits a
+# few hours on a 2-core CPU (docs/verdict.md, "A task where rare tokens matter", has the cost).
+TASK_RUNS: dict[str, dict[str, Any]] = {
+  "wordchain": {
+    "iterations": 60,
+    # At the base's 3e-4 a start of the task's first version lost accuracy within 20 iterations,
+    # where 1e-4 gained (docs/verdict.md).
+    "optim.lr": 1e-4,
+    "rollout.prompts_per_iter": 16,
+    "eval.every": 20,
+    "eval.num_problems": 256,
+    "warmstart.batch_size": 32,
+    # Greedy accuracy can jump from below the target to near 100% within 50 supervised steps
+    # once the copy of each step's operation is learned: checked every 10 steps, not 50.
+    "warmstart.eval_every": 10,
+    "warmstart.eval_size": 128,
+  },
+}
+
+
+def _apply_task_run(c: ml_collections.ConfigDict, smoke: bool) -> None:
+  """Writes the run settings of config c's task (TASK_RUNS) into c."""
+  from gppo_jax.data import tasks
+
+  name = c.task.name
+  if name not in TASK_RUNS:
+    return
+  c.rollout.max_new_tokens = tasks.get(name).max_answer_len + 1
+  if smoke:
+    return
+  for field, value in TASK_RUNS[name].items():
+    section, key = field.split(".") if "." in field else (None, field)
+    (c if section is None else c[section])[key] = value
 
 
 def base(
@@ -347,6 +388,7 @@ def base(
     c.eval.num_problems = 32
     c.eval.k = (2,)
     c.checkpoint.every = 2
+  _apply_task_run(c, smoke="smoke" in args)
   return c
 
 
@@ -802,6 +844,16 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     raise errors.ConfigError(
       "model.path is set but data.train_path is not: a real model needs real data"
     )
+  name = c.task.name
+  if c.data.train_path is None and c.model.path is None and name in TASK_RUNS:
+    longest = tasks.get(name).max_answer_len + 1
+    if r.max_new_tokens < longest:
+      raise errors.ConfigError(
+        f"rollout.max_new_tokens={r.max_new_tokens} cuts task {name!r}'s responses (up to "
+        f"{longest} tokens, the end token included): select the task with the config argument "
+        f"task={name} (`--config=configs/base.py:task={name}`), which sets its run, or set "
+        f"rollout.max_new_tokens={longest}"
+      )
   if c.data.train_path is None and c.data.eval_path is not None and not eval_only:
     raise errors.ConfigError(
       "data.eval_path is set but data.train_path is not: the built-in task has its own eval set"

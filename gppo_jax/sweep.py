@@ -31,6 +31,8 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           advantage.filter_zero_signal with rollout.refill_rounds > 0, draw as many as the policy
           needs, and the prompt streams of two cells part after the first refill.)
   --set   any config override, `--set optim.lr=5e-4` -> `--config.optim.lr=5e-4` (applied last).
+  --task  a built-in task with its run settings: `--task wordchain` runs every cell on
+          `configs/base.py:task=wordchain` (config_lib.TASK_RUNS; the default is the base's task).
 
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
@@ -126,6 +128,12 @@ class Settings:
   overrides: tuple[str, ...] = ()
   start: str = "per_seed"
   eps: float = 0.2
+  task: str = ""  # a built-in task selected with the config argument task=NAME ("" = the base's)
+
+  @property
+  def config(self) -> str:
+    """The `--config=` value of every run: configs/base.py, with `:task=NAME` for a task."""
+    return f"{BASE_CONFIG}:task={self.task}" if self.task else BASE_CONFIG
 
   def start_seed(self, seed: int) -> int:
     return seed if self.start == "per_seed" else 0
@@ -287,11 +295,11 @@ def radii(run: Run, eps: float = 0.2) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=1)
-def _base_config():
-  """configs/base.py's config (ml_collections only, no jax)."""
+def _base_config(task: str = ""):
+  """configs/base.py's config, with `task=NAME` for a task (ml_collections only, no jax)."""
   from gppo_jax import config_lib
 
-  return config_lib.base()
+  return config_lib.base(f"task={task}" if task else None)
 
 
 def _preset(cell: str) -> presets.Preset:
@@ -308,15 +316,22 @@ def _value(v: Any) -> str:
   return str(v)
 
 
+def _check_task(name: str) -> None:
+  from gppo_jax.data import tasks
+
+  if name not in tasks.TASKS:
+    raise errors.unknown_name("built-in task", name, tasks.TASKS, " (--task)")
+
+
 def train_args(run: Run, settings: Settings) -> list[str]:
   """The `python -m gppo_jax.train` arguments of a run, without --workdir: the base config, the
   seeds, the cell's loss (every field that differs from the base config's, and always the
   divergence, estimator and radii), its advantage, then the sweep's overrides."""
   preset = _preset(run.cell)
-  base = _base_config()
+  base = _base_config(settings.task)
   low, high = radii(run, settings.eps)
   args = [
-    f"--config={BASE_CONFIG}",
+    f"--config={settings.config}",
     f"--config.seed={run.seed}",
     f"--config.warmstart.seed={settings.start_seed(run.seed)}",
     f"--config.loss.divergence={preset.loss.divergence}",
@@ -378,12 +393,16 @@ def check_sweep_folder(settings: Settings) -> dict:
   """sweep.json of --out, created or checked: one folder, one set of shared settings."""
   path = os.path.join(settings.out, SWEEP_FILE)
   shared = {"overrides": list(settings.overrides), "start": settings.start, "eps": settings.eps}
+  if settings.task:  # only then: the folders of sweeps from before --task keep their settings
+    shared["task"] = settings.task
   state = read_json(path) or {}
   old = {k: state[k] for k in shared if k in state}
+  if state and state.get("task", "") != settings.task:  # a task's sweep, resumed without it
+    old["task"] = state.get("task", "")
   if old and old != shared:
     raise errors.ConfigError(
       f"{settings.out} holds a sweep with other shared settings {old} (now {shared}): use another "
-      "--out, or the same --set, --start and --eps to extend or resume it"
+      "--out, or the same --set, --start, --eps and --task to extend or resume it"
     )
   return {**state, **shared}
 
@@ -590,6 +609,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--jobs", type=int, default=DEFAULT_JOBS, help=f"runs at a time (default {DEFAULT_JOBS})"
   )
+  p.add_argument(
+    "--task",
+    default="",
+    help="a built-in task with its run settings (config argument task=NAME, e.g. wordchain)",
+  )
   p.add_argument("--out", default=os.path.join("workdirs", "sweep"), help="the sweep folder")
   p.add_argument(
     "--report-only",
@@ -615,7 +639,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   if not 0 < a.eps < 1:
     raise errors.ConfigError(f"--eps must lie in (0, 1), got {a.eps}")
-  settings = Settings(out, parse_overrides(a.set), a.start, a.eps)
+  if a.task:
+    _check_task(a.task)
+  settings = Settings(out, parse_overrides(a.set), a.start, a.eps, a.task)
   runs = expand(
     parse_cells(a.cells), parse_rules(a.rules), parse_scales(a.scales), parse_seeds(a.seeds)
   )

@@ -70,15 +70,15 @@ class Env(Protocol):
 
 
 class BuiltinEnv:
-  """A built-in synthetic task with its character tokenizer."""
+  """A built-in synthetic task with its tokenizer (characters, or words for word tasks)."""
 
   def __init__(self, task_name: str, *, seed: int, eval_size: int, eval_seed: int = 12345):
     self.task = tasks.get(task_name)
-    self.tokenizer = tasks.CharTokenizer()
+    self.tokenizer = self.task.tokenizer()
     self.seed = seed
     self.draws = 0
     self._eval = [self._prompt(p) for p in self.task.eval_set(eval_size, seed=eval_seed)]
-    # BOS + prompt characters; answers end with EOS.
+    # BOS + prompt tokens; answers (worked responses on word tasks) end with EOS.
     self.max_prompt_len = self.task.max_prompt_len + 1
     self.max_new_tokens = self.task.max_answer_len + 1
 
@@ -103,7 +103,7 @@ class BuiltinEnv:
   def score(self, responses, prompts):
     rewards = np.array(
       [
-        self.task.reward(r, tasks.Problem(p.text, p.gold))
+        self.task.reward(r, tasks.Problem(p.text, p.gold, p.level))
         for r, p in zip(responses, prompts, strict=True)
       ],
       np.float32,

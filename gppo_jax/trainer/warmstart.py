@@ -49,7 +49,8 @@ def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
 
 
 def supervised_batch(env: BuiltinEnv, rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
-  """Teacher-forcing arrays for BOS + prompt + answer + EOS, loss on the answer and EOS."""
+  """Teacher-forcing arrays for BOS + prompt + answer + EOS, loss on the answer and EOS (the
+  answer: the problem's worked solution where it has one, word tasks)."""
   tok = env.tokenizer
   problems = env.task.sample(rng, n, split="train")
   length = env.max_prompt_len + env.max_new_tokens
@@ -58,7 +59,7 @@ def supervised_batch(env: BuiltinEnv, rng: np.random.Generator, n: int) -> dict[
   loss_mask = np.zeros((n, length), bool)
   for i, p in enumerate(problems):
     prompt = tok.encode(p.prompt, add_bos=True)
-    answer = tok.encode(p.answer) + [tok.eos_id]
+    answer = tok.encode(p.solution or p.answer) + [tok.eos_id]
     start = env.max_prompt_len - len(prompt)  # Left-pad prompts exactly as the sampler sees them.
     seq = prompt + answer
     tokens[i, start : start + len(seq)] = seq
