@@ -33,6 +33,10 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
   --set   any config override, `--set optim.lr=5e-4` -> `--config.optim.lr=5e-4` (applied last).
   --task  a built-in task with its run settings: `--task wordchain` runs every cell on
           `configs/base.py:task=wordchain` (config_lib.TASK_RUNS; the default is the base's task).
+  --metric the held-out figure the report ranks by (curves, final, AUC, best): `accuracy`, greedy
+          (the default), or one the evaluation logs as eval/<figure>: `avg@4` (sampled accuracy,
+          4 samples per problem with the default eval.k), `pass@4`. Recorded in sweep.json like
+          --task; `--report-only --metric avg@4` rebuilds a finished sweep's report on it.
 
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
@@ -75,6 +79,7 @@ import numpy as np
 from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
 from gppo_jax.research.report import (
+  DEFAULT_METRIC,
   GRID,
   INF,
   NONE,
@@ -85,6 +90,7 @@ from gppo_jax.research.report import (
   SWEEP_FILE,
   duration,
   now,
+  parse_metric,
   read_json,
   read_run,
   write_outputs,
@@ -129,6 +135,7 @@ class Settings:
   start: str = "per_seed"
   eps: float = 0.2
   task: str = ""  # a built-in task selected with the config argument task=NAME ("" = the base's)
+  metric: str = DEFAULT_METRIC  # the held-out figure the report ranks by (report.parse_metric)
 
   @property
   def config(self) -> str:
@@ -395,14 +402,19 @@ def check_sweep_folder(settings: Settings) -> dict:
   shared = {"overrides": list(settings.overrides), "start": settings.start, "eps": settings.eps}
   if settings.task:  # only then: the folders of sweeps from before --task keep their settings
     shared["task"] = settings.task
+  if settings.metric != DEFAULT_METRIC:  # likewise for --metric
+    shared["metric"] = settings.metric
   state = read_json(path) or {}
   old = {k: state[k] for k in shared if k in state}
   if state and state.get("task", "") != settings.task:  # a task's sweep, resumed without it
     old["task"] = state.get("task", "")
+  if state and state.get("metric", DEFAULT_METRIC) != settings.metric:  # or without its metric
+    old["metric"] = state.get("metric", DEFAULT_METRIC)
   if old and old != shared:
     raise errors.ConfigError(
       f"{settings.out} holds a sweep with other shared settings {old} (now {shared}): use another "
-      "--out, or the same --set, --start, --eps and --task to extend or resume it"
+      "--out, or the same --set, --start, --eps, --task and --metric to extend or resume it "
+      "(--report-only --metric rebuilds its report on another statistic)"
     )
   return {**state, **shared}
 
@@ -512,7 +524,11 @@ def execute(
     finished += 1
     if done:
       walls.append(wall)
-    echo(_progress_line(job.run, path, status[job.run], wall, finished, total, t0, walls, jobs))
+    echo(
+      _progress_line(
+        job.run, path, status[job.run], wall, finished, total, t0, walls, jobs, settings.metric
+      )
+    )
 
   main_thread = threading.current_thread() is threading.main_thread()
   old_term = signal.signal(signal.SIGTERM, _raise_stop) if main_thread else None
@@ -537,6 +553,8 @@ def execute(
             f"{_last_error(os.path.join(run_dir(settings.out, job.run), LOG))} "
             f"(log: {os.path.join(run_dir(settings.out, job.run), LOG)})"
           )
+        if status[job.run] == "done":  # a --metric the runs do not log stops the sweep here
+          read_run(run_dir(settings.out, job.run), settings.metric)
   except (KeyboardInterrupt, SweepStopped, errors.UserError) as e:
     for job in running:
       job.proc.send_signal(signal.SIGTERM)  # each saves its completed iterations and exits 0
@@ -566,17 +584,31 @@ def _last_error(log_path: str) -> str:
 
 
 def _progress_line(
-  run: Run, path: str, state: str, wall: float, finished: int, total: int, t0, walls, jobs
+  run: Run,
+  path: str,
+  state: str,
+  wall: float,
+  finished: int,
+  total: int,
+  t0,
+  walls,
+  jobs,
+  metric: str = DEFAULT_METRIC,
 ) -> str:
   width = len(str(total))
   head = f"[{finished:>{width}}/{total}] {run.cell} {run.radius} s{run.seed}: {state}"
   head += f" in {duration(wall)}"
   if state == "done":
-    row = read_run(path)
-    head += (
-      f", final {100 * row['final']:.1f}%, auc {100 * row['auc']:.1f}%, "
-      f"masked {100 * row['masked_late']:.1f}%"
-    )
+    try:
+      row = read_run(path, metric)
+    except errors.UserError as e:
+      head += f" ({e})"
+    else:
+      figure = "" if metric == DEFAULT_METRIC else f" {metric}"
+      head += (
+        f", final{figure} {100 * row['final']:.1f}%, auc {100 * row['auc']:.1f}%, "
+        f"masked {100 * row['masked_late']:.1f}%"
+      )
   elapsed = time.time() - t0
   left = total - finished
   eta = f", ETA {duration(np.mean(walls) * left / jobs)}" if walls and left else ""
@@ -614,6 +646,14 @@ def parser() -> argparse.ArgumentParser:
     default="",
     help="a built-in task with its run settings (config argument task=NAME, e.g. wordchain)",
   )
+  p.add_argument(
+    "--metric",
+    default=None,
+    help="the held-out figure the report ranks cells by: accuracy (greedy, the default), avg@N "
+    "(sampled: mean correctness of N samples per problem, e.g. avg@4 with the default eval.k), "
+    "pass@K, as logged under eval/; recorded in sweep.json (with --report-only: the folder's "
+    "unless given)",
+  )
   p.add_argument("--out", default=os.path.join("workdirs", "sweep"), help="the sweep folder")
   p.add_argument(
     "--report-only",
@@ -633,15 +673,16 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   a = parser().parse_args(argv)
   out = os.path.abspath(a.out)
+  metric = parse_metric(a.metric) if a.metric is not None else None
   if a.report_only:
-    paths = write_outputs(out, include_missed=a.include_missed_starts)
+    paths = write_outputs(out, include_missed=a.include_missed_starts, metric=metric)
     print(json.dumps(paths, indent=2))
     return 0
   if not 0 < a.eps < 1:
     raise errors.ConfigError(f"--eps must lie in (0, 1), got {a.eps}")
   if a.task:
     _check_task(a.task)
-  settings = Settings(out, parse_overrides(a.set), a.start, a.eps, a.task)
+  settings = Settings(out, parse_overrides(a.set), a.start, a.eps, a.task, metric or DEFAULT_METRIC)
   runs = expand(
     parse_cells(a.cells), parse_rules(a.rules), parse_scales(a.scales), parse_seeds(a.seeds)
   )

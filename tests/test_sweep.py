@@ -227,10 +227,11 @@ def fake_run(
   seconds=9.0,
   diag=None,
   start=None,
+  sampled=None,
 ):
   """A run folder as train and the sweep leave it: record, config, metrics, summary; `diag`
   ({metric: value}) is logged as diag/<metric> every 10 steps; `start` is the summary's
-  warm_start (the warm start's info)."""
+  warm_start (the warm start's info); `sampled` an eval/avg@4 curve beside the greedy one."""
   settings = settings or sweep.Settings(out=str(out))
   path = sweep.run_dir(str(out), run)
   os.makedirs(path, exist_ok=True)
@@ -258,12 +259,19 @@ def fake_run(
   }
   config["loss"].update(delta_low=low, delta_high=high)
   json.dump(config, open(os.path.join(path, "config.json"), "w"))
+
+  def evals(i):
+    out = {"eval/accuracy": curve[i]}
+    if sampled is not None:
+      out.update({"eval/avg@4": sampled[i], "eval/avg@4_se": 0.01, "eval/pass@4": 0.9})
+    return out
+
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-    f.write(json.dumps({"step": 0, "eval/accuracy": curve[0]}) + "\n")
+    f.write(json.dumps({"step": 0, **evals(0)}) + "\n")
     for step in range(1, config["iterations"] + 1):
       line = {"step": step, "trust/masked_frac_late": masked}
       if step % 50 == 0:
-        line["eval/accuracy"] = curve[step // 50]
+        line.update(evals(step // 50))
       if diag and step % 10 == 0:
         line.update({k if k.startswith("diag_start/") else f"diag/{k}": v for k, v in diag.items()})
         line["diag/ratio_hist"] = [1, 2, 3]  # a histogram: not a figure to average
@@ -271,8 +279,8 @@ def fake_run(
   if finished:
     summary = {
       "preempted": False,
-      "initial_eval": {"eval/accuracy": curve[0]},
-      "final_eval": {"eval/accuracy": curve[-1]},
+      "initial_eval": evals(0),
+      "final_eval": evals(-1),
       "seconds": seconds,
       "warm_start": start or {},
     }
@@ -454,6 +462,79 @@ def test_report_only_rebuilds_outputs(tmp_path):
   for name in ("runs.csv", "results.md", "plots/f_eps_x1_heatmap.png", "plots/f_eps_x1_curves.png"):
     assert os.path.exists(tmp_path / name), name
   assert "| KL-Atomic vs TV-MC" in (tmp_path / "results.md").read_text()
+
+
+def _two_cells(out):
+  """kl_atomic and tv_mc, seeds 0-1: kl_atomic is 10 points ahead in greedy accuracy and 10
+  behind in avg@4 (eval/avg@4, sampled), so the two statistics rank the cells oppositely."""
+  for seed in (0, 1):
+    for cell, greedy, avg in (("kl_atomic", 0.7, 0.3), ("tv_mc", 0.6, 0.4)):
+      g, a = greedy + 0.1 * seed, avg + 0.1 * seed
+      run = sweep.Run(seed, "f_eps", 1.0, cell)
+      fake_run(out, run, [0.2, g - 0.1, g], 0.05, sampled=[0.1, a - 0.1, a])
+
+
+def test_the_report_ranks_cells_by_the_chosen_metric(tmp_path):
+  _two_cells(tmp_path)
+  # The default: greedy accuracy, as before --metric.
+  assert sweep.main(["--report-only", "--out", str(tmp_path)]) == 0
+  text = (tmp_path / "results.md").read_text()
+  assert "Accuracy is greedy held-out accuracy in percent;" in text
+  assert _table_line(text, "kl_atomic")[3].startswith("75.0 [")
+  assert _table_line(text, "kl_atomic")[5] == "+10.0 [+10.0, +10.0] (n=2)"
+  # avg@4: every figure is the sampled accuracy's, and the ranking turns around.
+  assert sweep.main(["--report-only", "--metric", "avg@4", "--out", str(tmp_path)]) == 0
+  text = (tmp_path / "results.md").read_text()
+  assert "Accuracy is held-out avg@4 (`eval/avg@4`: mean correctness of 4 sampled" in text
+  assert "greedy held-out accuracy" not in text
+  assert _table_line(text, "kl_atomic")[3].startswith("35.0 [")
+  assert _table_line(text, "tv_mc")[3].startswith("45.0 [")
+  assert _table_line(text, "kl_atomic")[5] == "-10.0 [-10.0, -10.0] (n=2)"
+  rows = {(r["cell"], r["seed"]): r for r in csv.DictReader(open(tmp_path / "runs.csv"))}
+  r = rows["kl_atomic", "1"]
+  assert (float(r["initial"]), float(r["final"]), float(r["best"])) == (0.1, 0.4, 0.4)
+  assert float(r["auc"]) == pytest.approx((0.2 + 0.35) / 2)
+  # The same through the key as logged, and through sweep.json's metric.
+  assert report.read_run(sweep.run_dir(str(tmp_path), sweep.Run(1, "f_eps", 1.0, "kl_atomic")),
+                         report.parse_metric("eval/avg@4"))["final"] == 0.4  # fmt: skip
+  json.dump({"metric": "avg@4"}, open(tmp_path / "sweep.json", "w"))
+  assert sweep.main(["--report-only", "--out", str(tmp_path)]) == 0
+  assert _table_line((tmp_path / "results.md").read_text(), "tv_mc")[3].startswith("45.0 [")
+
+
+def test_a_metric_the_runs_did_not_log_is_a_clear_error(tmp_path):
+  _two_cells(tmp_path)
+  with pytest.raises(errors.ConfigError, match="kl_atomic__f_eps_x1__s0") as e:
+    sweep.main(["--report-only", "--metric", "avg@16", "--out", str(tmp_path)])
+  assert "eval/avg@16" in str(e.value) and "accuracy, avg@4, pass@4" in str(e.value)
+  with pytest.raises(errors.ConfigError, match="--metric"):
+    report.parse_metric("reward")
+  assert report.parse_metric("") == report.parse_metric(None) == "accuracy"
+  assert report.parse_metric("eval/math500/pass@8") == "math500/pass@8"
+  # An unfinished run is read with what it has; the greedy default never raises.
+  fake_run(tmp_path, sweep.Run(2, "f_eps", 1.0, "kl_atomic"), [0.3, 0.4], 0.05, finished=False)
+  assert math.isnan(report.read_run(sweep.run_dir(str(tmp_path), sweep.Run(2, "f_eps", 1.0,
+                                                   "kl_atomic")), "avg@16")["final"])  # fmt: skip
+
+
+def test_a_sweep_folder_keeps_its_metric(tmp_path):
+  """Like --task: recorded in sweep.json when not the default, and resuming the folder with
+  another statistic (or without it) is refused."""
+  settings = _settings(tmp_path, metric="avg@4")
+  state = sweep.check_sweep_folder(settings)
+  assert state["metric"] == "avg@4"
+  assert "metric" not in sweep.check_sweep_folder(_settings(tmp_path))  # the default: unrecorded
+  json.dump(state, open(tmp_path / "sweep.json", "w"))
+  for other in (_settings(tmp_path), _settings(tmp_path, metric="pass@4")):
+    with pytest.raises(errors.ConfigError, match="--metric"):
+      sweep.check_sweep_folder(other)
+  assert sweep.check_sweep_folder(settings)["metric"] == "avg@4"
+  json.dump({"overrides": [], "start": "per_seed", "eps": 0.2}, open(tmp_path / "sweep.json", "w"))
+  with pytest.raises(errors.ConfigError, match="other shared settings"):
+    sweep.check_sweep_folder(settings)  # a greedy sweep resumed with --metric avg@4
+  with pytest.raises(errors.ConfigError, match="--metric"):
+    sweep.main(["--metric", "avg@4", "--cells", "kl_atomic", "--seeds", "0", "--out",
+                str(tmp_path)])  # fmt: skip
 
 
 # --- Running: a fake launcher -------------------------------------------------------------------

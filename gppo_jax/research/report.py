@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,6 +38,12 @@ SWEEP_FILE = "sweep.json"  # in the sweep folder: the shared settings and the in
 # The estimator diagnostics' metrics (research/diagnostics.py), averaged per run: after each
 # update, and (stale rollouts) before it; row field -> metric prefix.
 DIAG_FIELDS = {"diag": "diag/", "diag_start": "diag_start/"}
+# The statistic of held-out evaluation the report ranks cells by: a figure of the pooled eval row
+# (gppo_jax/rewards/pass_at_k.py, logged as eval/<figure>), e.g. `accuracy` (greedy, the default),
+# `avg@4` (mean correctness of 4 sampled responses per problem), `pass@4`, or a benchmark's
+# `<bench>/avg@4`. The sweep records a non-default one in sweep.json (`metric`).
+DEFAULT_METRIC = "accuracy"
+_METRIC_RE = re.compile(r"(?:[^/\s]+/)*(?:accuracy|avg@\d+|pass@\d+)")
 # The paper's summary claims (math / code), as relative gains of held-out accuracy.
 PAPER_CLAIMS = (
   ("KL-Atomic vs TV-MC (GRPO)", "+49.8% / +13.9%"),
@@ -69,11 +76,67 @@ def now() -> str:
   return datetime.datetime.now().isoformat(timespec="seconds")
 
 
+# --- The statistic -----------------------------------------------------------------------------
+
+
+def parse_metric(text: str | None) -> str:
+  """`avg@4`, `eval/avg@4` -> 'avg@4' (the figure under eval/); None or '' -> the default;
+  ConfigError for what is not a figure of the evaluation (accuracy, avg@n, pass@k)."""
+  metric = (text or "").strip().removeprefix("eval/") or DEFAULT_METRIC
+  if not _METRIC_RE.fullmatch(metric):
+    raise errors.ConfigError(
+      f"--metric {text!r} is not a held-out figure the evaluation logs: accuracy (greedy), "
+      "avg@N (mean correctness of N samples per problem), pass@K, each optionally as "
+      "<benchmark>/<figure> (the eval/ prefix may be left out)"
+    )
+  return metric
+
+
+def metric_key(metric: str) -> str:
+  """The metrics.jsonl / summary.json key of a statistic: 'avg@4' -> 'eval/avg@4'."""
+  return f"eval/{metric}"
+
+
+def metric_label(metric: str) -> str:
+  """How the report names the statistic: 'greedy held-out accuracy', 'held-out avg@4 ...'."""
+  if metric == DEFAULT_METRIC:
+    return "greedy held-out accuracy"
+  figure = metric.rsplit("/", 1)[-1]
+  m = re.fullmatch(r"(avg|pass)@(\d+)", figure)
+  what = (
+    {
+      "avg": f"mean correctness of {m.group(2)} sampled responses per problem",
+      "pass": f"share of problems solved by at least one of {m.group(2)} sampled responses",
+    }[m.group(1)]
+    if m
+    else "greedy decoding"
+  )
+  where = f", benchmark {metric.rsplit('/', 1)[0]}" if "/" in metric else ""
+  return f"held-out {figure} (`{metric_key(metric)}`: {what}{where})"
+
+
+def _figures(keys: Iterable[str]) -> list[str]:
+  """The --metric values a run's evaluation keys offer (no standard errors or seed spreads)."""
+  return sorted(
+    {
+      k.removeprefix("eval/")
+      for k in keys
+      if k.startswith("eval/") and not k.endswith(("_se", "_seed_std"))
+    }
+  )
+
+
 # --- Reading runs back --------------------------------------------------------------------------
 
 
-def read_run(path: str) -> dict[str, Any]:
-  """One run folder as a row: identity, radii, curves and figures (NaN where not available)."""
+def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
+  """One run folder as a row: identity, radii, curves and figures (NaN where not available).
+
+  The curve, initial, final, AUC and best values are those of `metric` (the figure under eval/,
+  parse_metric). A finished run that logged no `metric` is a ConfigError naming the run and the
+  figures it has; under the default (greedy accuracy) it keeps NaN, as runs without evaluation
+  always had."""
+  key = metric_key(metric)
   record = read_json(os.path.join(path, RECORD)) or {}
   config = read_json(os.path.join(path, "config.json")) or {}
   summary = read_json(os.path.join(path, "summary.json"))
@@ -98,15 +161,17 @@ def read_run(path: str) -> dict[str, Any]:
   steps, curve, mask_steps, masked = [], [], [], []
   diag_sum: dict[str, float] = {}
   diag_n: dict[str, int] = {}
+  logged: set[str] = set()
   metrics = os.path.join(path, "metrics.jsonl")
   for x in readers.metric_rows(metrics) if os.path.isfile(metrics) else ():
     for k, v in x.items():
       if k.startswith("diag") and isinstance(v, (int, float)) and math.isfinite(v):
         diag_sum[k] = diag_sum.get(k, 0.0) + float(v)
         diag_n[k] = diag_n.get(k, 0) + 1
-    if "eval/accuracy" in x:
+    logged.update(k for k in x if k.startswith("eval/"))
+    if key in x:
       steps.append(x["step"])
-      curve.append(x["eval/accuracy"])
+      curve.append(x[key])
     if "trust/masked_frac_late" in x:
       mask_steps.append(x["step"])
       masked.append(x["trust/masked_frac_late"])
@@ -118,10 +183,18 @@ def read_run(path: str) -> dict[str, Any]:
     row["status"] = f"failed (exit {code})"
   else:
     row["status"] = "unfinished" if record or steps else "not started"
+  final_eval = (summary.get("final_eval") or {}) if done else {}
+  if done and metric != DEFAULT_METRIC and key not in final_eval and not curve:
+    have = _figures([*logged, *final_eval])
+    raise errors.ConfigError(
+      f"run {row['run']} ({path}) logged no {key} (--metric {metric}); its held-out metrics: "
+      f"{', '.join(have) or 'none'}: choose one of them with --metric, or set the run's "
+      "config.eval (eval.n, eval.k) to log it"
+    )
   tail = masked[len(masked) // 2 :]
   row.update(
     initial=curve[0] if curve else nan,
-    final=summary["final_eval"].get("eval/accuracy", nan) if done else nan,
+    final=final_eval.get(key, nan) if done else nan,
     auc=stats.auc(steps, curve) if done and curve else nan,
     best=max(curve) if curve else nan,
     masked_late=float(np.mean(tail)) if tail else nan,
@@ -180,14 +253,14 @@ def _float(x: Any) -> float:
     return float("nan")
 
 
-def collect(out: str) -> list[dict[str, Any]]:
-  """Every run folder of a sweep (those with a sweep record), in run order."""
+def collect(out: str, metric: str = DEFAULT_METRIC) -> list[dict[str, Any]]:
+  """Every run folder of a sweep (those with a sweep record), in run order, read for `metric`."""
   root = os.path.join(out, "runs")
   rows = []
   for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
     path = os.path.join(root, name)
     if os.path.isfile(os.path.join(path, RECORD)):
-      rows.append(read_run(path))
+      rows.append(read_run(path, metric))
 
   def key(r):
     cells = [*GRID, NONE, *presets.names()]
@@ -356,6 +429,7 @@ def results_markdown(
   per-divergence averages, and the plots. The runs of a missed start are left out of every
   statistic unless `include_missed`."""
   sweep = sweep or {}
+  metric = parse_metric(sweep.get("metric"))
   done = [r for r in rows if r["status"] == "done"]
   walls = [r["wall_s"] for r in rows if math.isfinite(r["wall_s"])]
   lines = [
@@ -387,7 +461,7 @@ def results_markdown(
     lines.append("Budget: " + "; ".join(budgets) + ".")
   lines += [
     "",
-    "Accuracy is greedy held-out accuracy in percent; final = after the last iteration, AUC = the "
+    f"Accuracy is {metric_label(metric)} in percent; final = after the last iteration, AUC = the "
     "area under the held-out curve divided by its length (the run's mean accuracy, start "
     "included). Intervals are 95% percentile bootstraps over seeds (about 90% coverage at 8 "
     "seeds); differences and relative gains are paired by seed (same start, prompts and keys) "
@@ -652,19 +726,27 @@ def _color(cell: str) -> str:
   return f"C{3 + names.index(cell) % 7}" if cell in names else "k"
 
 
-def write_plots(plot_dir: str, rows: Sequence[dict], *, include_missed: bool = False) -> list[str]:
+def write_plots(
+  plot_dir: str,
+  rows: Sequence[dict],
+  *,
+  include_missed: bool = False,
+  metric: str = DEFAULT_METRIC,
+) -> list[str]:
   """Per radius setting: `<tag>_heatmap.png` (divergence x estimator, final and AUC accuracy),
   `<tag>_curves.png` (held-out accuracy along the run, mean over seeds with its 95% band) and
   `<tag>_masked.png` (masked fraction of the later mini-batches, smoothed, with its band) and,
   where the runs logged diagnostics, `<tag>_masked_by_q.png` (each estimator's masked share by
   behaviour probability beside the exact divergence's). Runs of a warm start that missed its
-  target are left out unless `include_missed`."""
+  target are left out unless `include_missed`. `metric` names the statistic on the axes."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   os.makedirs(plot_dir, exist_ok=True)
+  figure = "accuracy" if metric == DEFAULT_METRIC else metric  # (`metric` is reused below)
+  curve_label = f"held-out {'greedy accuracy' if metric == DEFAULT_METRIC else metric} (%)"
   paths = []
   groups_all = groups(rows)
   rows = counted(rows, include_missed)
@@ -700,14 +782,14 @@ def write_plots(plot_dir: str, rows: Sequence[dict], *, include_missed: bool = F
       ax.set_xticks(range(len(ESTIMATORS)), ESTIMATORS)
       ax.set_yticks(range(len(DIVERGENCES)), DIVERGENCES)
       ax.set_title(f"{label}\nmean over seeds [95% CI]", fontsize=9)
-    fig.suptitle(f"Held-out accuracy per cell, radius {tag}")
+    fig.suptitle(f"Held-out {figure} per cell, radius {tag}")
     fig.tight_layout()
     paths.append(os.path.join(plot_dir, f"{tag}_heatmap.png"))
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
     for kind, xs, ys, ylabel in (
-      ("curves", "curve_steps", "curve", "held-out greedy accuracy (%)"),
+      ("curves", "curve_steps", "curve", curve_label),
       ("masked", "masked_steps", "masked", "masked fraction, later mini-batches (%)"),
     ):
       panels = _panels(cells)
@@ -773,20 +855,30 @@ def _plot_masked_by_q(plt, path: str, pools: Sequence[tuple[str, list[dict]]], t
 
 
 def write_outputs(
-  out: str, sweep: dict | None = None, *, include_missed: bool = False
+  out: str,
+  sweep: dict | None = None,
+  *,
+  include_missed: bool = False,
+  metric: str | None = None,
 ) -> dict[str, Any]:
   """runs.csv, results.md and plots/ of the run folders under `out`; returns their paths. The
   runs of warm starts that missed their target are listed apart and counted in the statistics
-  only with `include_missed`."""
-  rows = collect(out)
+  only with `include_missed`. The statistic is `metric` if given, else the sweep's (sweep.json's
+  `metric`; greedy accuracy when it has none)."""
+  sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
+  metric = parse_metric(metric if metric is not None else sweep.get("metric"))
+  if metric != parse_metric(sweep.get("metric")):
+    sweep = {**sweep, "metric": metric}
+  rows = collect(out, metric)
   if not rows:
     raise errors.MissingFileError(f"no sweep runs under {os.path.join(out, 'runs')}")
-  sweep = sweep if sweep is not None else (read_json(os.path.join(out, SWEEP_FILE)) or {})
   write_runs_csv(os.path.join(out, "runs.csv"), rows)
   files.write_atomic(
     os.path.join(out, "results.md"), results_markdown(rows, sweep, include_missed=include_missed)
   )
-  plots = write_plots(os.path.join(out, "plots"), rows, include_missed=include_missed)
+  plots = write_plots(
+    os.path.join(out, "plots"), rows, include_missed=include_missed, metric=metric
+  )
   return {
     "runs_csv": os.path.join(out, "runs.csv"),
     "results_md": os.path.join(out, "results.md"),
