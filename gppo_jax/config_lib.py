@@ -242,8 +242,8 @@ def base(
   # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
   # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
   # `paged_attention`: how its decode steps attend over the pages: "gather" (any backend),
-  # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, one batch shard; local layers
-  # still gather) or "auto" (pallas on TPU where it fits, generation/paged.py).
+  # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, run per batch shard; local
+  # layers still gather) or "auto" (pallas on TPU where it fits, generation/paged.py).
   c.rollout.engine = "auto"
   c.rollout.slots = 0
   c.rollout.page_size = 16

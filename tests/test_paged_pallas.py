@@ -112,8 +112,8 @@ def test_engine_on_the_kernel_draws_what_the_gather_engine_draws(overrides):
 
 def test_choice_of_path(monkeypatch):
   """auto: pallas on TPU only where the kernel is exact and fits; pallas refuses a float32
-  cache, a model whose every layer slides, a CPU outside interpret mode, several batch shards;
-  an unknown name is named."""
+  cache, a model whose every layer slides, a CPU outside interpret mode;
+  an unknown name is named; several batch shards take it too."""
   bf16 = architectures.get("char-tiny", dtype="bfloat16", head_dim=128)
   resolve = paged.resolve_attention
   assert resolve("auto", bf16, 16, backend="tpu") == "pallas"
@@ -144,9 +144,61 @@ def test_choice_of_path(monkeypatch):
     graphdef, sp, continuous.EngineConfig(slots=4, page_size=16, attention=impl), mesh
   )
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert engine("auto")._attention(bf16) == "gather"
-  with pytest.raises(ValueError, match="one batch shard only"):
-    engine("pallas")._attention(bf16)
+  assert engine("auto")._attention(bf16) == "pallas"  # per batch shard
+  assert engine("gather")._attention(bf16) == "gather"
+
+
+def _kernel_stand_in(seen):
+  """The TPU kernel's contract (`paged_attention(q [B, H, Dh], k/v pages [K, pages, ps, Dh],
+  lengths [B], page_indices [B, n])`: each query over the first `lengths` slots of its pages) in
+  plain JAX; records each call's query shape and the mesh axes manual where it runs."""
+
+  def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, attn_logits_soft_cap=None,
+                      pages_per_compute_block, **unused):  # fmt: skip
+    seen.append((q.shape, tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes))))
+    B, H, Dh = q.shape
+    K = k_pages.shape[0]
+    keys = lambda pages: pages[:, page_indices].reshape(K, B, -1, Dh).astype(jnp.float32)
+    s = jnp.einsum("bkgd,kbtd->bkgt", q.reshape(B, K, H // K, Dh), keys(k_pages))
+    if attn_logits_soft_cap:
+      s = jnp.tanh(s / attn_logits_soft_cap) * attn_logits_soft_cap
+    ok = (jnp.arange(s.shape[-1])[None] < lengths[:, None])[:, None, None]
+    p = jax.nn.softmax(jnp.where(ok, s, -1e30), axis=-1) * ok
+    return jnp.einsum("bkgt,kbtd->bkgd", p, keys(v_pages)).reshape(B, H, Dh)
+
+  return paged_attention
+
+
+def test_kernel_runs_per_batch_shard(monkeypatch):
+  """On a mesh of 4 batch shards (data 2 x fsdp 2) the kernel is called inside a shard_map manual
+  over them, once per shard on its own group (8 slots / 4 = 2 queries), and the engine draws what
+  the gather engine draws. The kernel is a plain-JAX stand-in here: Pallas's TPU interpret mode
+  runs callbacks that vmap (the engine's over groups) cannot batch."""
+  from jax.experimental.pallas.ops.tpu import paged_attention as kernel
+
+  from gppo_jax.models import partitioning, sharding
+
+  seen = []
+  monkeypatch.setattr(kernel, "paged_attention", _kernel_stand_in(seen))
+  cfg = architectures.get("char-tiny", vocab_size=40, dtype="bfloat16", attn_softcap=2.0)
+  graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, jax.devices()[:4])
+  params = jax.device_put(params, partitioning.state_shardings(params, mesh))
+  prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [13, 14], [7, 8, 9], [4]]
+  sp = sampler.SamplingParams(max_new_tokens=7, stop_ids=(1, 2), pad_id=0)
+  outs = {}
+  for impl in ("gather", "pallas"):
+    config = continuous.EngineConfig(slots=8, page_size=4, chunk=4, attention=impl)
+    eng = continuous.ContinuousSampler(graphdef, sp, config, mesh)
+    with pltpu.force_tpu_interpret_mode():  # lets "pallas" resolve on CPU
+      outs[impl] = eng(params, prompts, jax.random.key(3), group_size=2)
+    assert eng.attention == impl and eng.groups == 4
+  want, got = outs["gather"], outs["pallas"]
+  assert seen and set(seen) == {((2, cfg.num_heads, cfg.head_dim), ("data", "fsdp"))}
+  assert want.lengths.min() < want.lengths.max()
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.mask, want.mask)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
 
 
 def test_config_field_reaches_the_engine():

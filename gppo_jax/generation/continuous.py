@@ -216,18 +216,10 @@ class ContinuousSampler:
     self.attention: str | None = None  # what EngineConfig.attention resolved to, once called
 
   def _attention(self, model_cfg) -> str:
-    """What EngineConfig.attention runs (`paged.resolve_attention`). The kernel runs with one
-    slot group only (no mesh, or one batch shard): the groups' decode is vmapped over a sharded
-    leading axis, and a Pallas call on it would need a shard_map of its own."""
+    """What EngineConfig.attention runs (`paged.resolve_attention`). On several batch shards the
+    kernel runs per shard on its own slot group (`_decode`)."""
     e = self.engine
     impl = paged.resolve_attention(e.attention, model_cfg, e.page_size)
-    if impl == "pallas" and self.groups > 1:
-      if e.attention == "pallas":
-        raise ValueError(
-          f"EngineConfig.attention='pallas' runs on one batch shard only; this mesh has "
-          f"{self.groups} ({dict(self.mesh.shape)}): use 'gather' or 'auto'"
-        )
-      impl = "gather"
     self.attention = impl
     return impl
 
@@ -646,15 +638,32 @@ def _decode(graphdef, sp, chunk, spread, impl, params, state, page_table, active
     graphdef, sp, chunk, impl, params, state, table, active
   )
   with model_lib.experts_under_vmap():
-    if impl == "pallas":  # one group (`ContinuousSampler._attention`): called on it directly
-      out = decode(*jax.tree.map(lambda x: x[0], (state, page_table, active)))
-      return _spread_over(spread, jax.tree.map(lambda x: x[None], out))
+    if impl == "pallas":
+      R = state.done.shape[0]
+      if R == 1:  # one group: called on it directly
+        out = decode(*jax.tree.map(lambda x: x[0], (state, page_table, active)))
+        return _spread_over(spread, jax.tree.map(lambda x: x[None], out))
+      # Several groups over the batch shards: the kernel runs per shard (`paged.pallas_attention`).
+      axes = _group_axes(spread)
+      decode = lambda state, table, active: _decode_group(
+        graphdef, sp, chunk, impl, params, state, table, active, shards=(spread.mesh, axes)
+      )
+      out = jax.vmap(decode, spmd_axis_name=axes)(state, page_table, active)
+      return _spread_over(spread, out)
     return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
 
 
-def _decode_group(graphdef, sp, chunk, impl, params, state, page_table, active):
+def _group_axes(spread: jax.sharding.NamedSharding | None) -> tuple[str, ...]:
+  """The mesh axes the group axis is split over (`batch_spec` of R groups: their product is R)."""
+  first = None if spread is None or not len(spread.spec) else spread.spec[0]
+  if first is None:
+    raise ValueError("several slot groups, but their axis is not split over the mesh")
+  return (first,) if isinstance(first, str) else tuple(first)
+
+
+def _decode_group(graphdef, sp, chunk, impl, params, state, page_table, active, shards=None):
   """Up to `chunk` decode steps of every live slot of one group (active and not done); also
-  returns the steps taken."""
+  returns the steps taken. shards: `paged.decode_step`'s."""
   S, N = state.tokens.shape
   rows = jnp.arange(S)
   stop_ids = jnp.asarray(sp.stop_ids, jnp.int32)
@@ -664,7 +673,7 @@ def _decode_group(graphdef, sp, chunk, impl, params, state, page_table, active):
     live = active & ~s.done
     out = paged.decode_step(
       graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live,
-      with_routing=sp.record_experts, attention_impl=impl,
+      with_routing=sp.record_experts, attention_impl=impl, shards=shards,
     )  # fmt: skip
     logits, pool = out[:2]
     route = out[2] if sp.record_experts else None

@@ -35,6 +35,7 @@ slices the pool.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 
 import flax.struct
@@ -204,11 +205,17 @@ def pallas_attention(
   *,
   scale: float | None = None,
   softcap: float | None = None,
+  shards: tuple[jax.sharding.Mesh, tuple[str, ...]] | None = None,
 ) -> jax.Array:
   """`paged_attention` with start 0 and no window, by JAX's TPU paged-attention kernel: each
   query attends to the cache slots 0 <= j <= query_slot of its pages. Rows not `live` (bool [S])
   read nothing and give zeros. The kernel does not scale q: q is scaled here, in float32 as the
-  gather path does, and handed over in float32; it reads keys and values as bfloat16."""
+  gather path does, and handed over in float32; it reads keys and values as bfloat16.
+
+  shards (mesh, axes): called under a vmap over slot groups whose `spmd_axis_name` is `axes`
+  (the continuous engine on several batch shards). The kernel then runs in a `jax.shard_map`
+  manual over those axes, so that each shard calls it on its own group's queries and pages: a
+  Pallas call is a custom call that XLA cannot split over a sharded batch axis itself."""
   from jax.experimental.pallas.ops.tpu import paged_attention as kernel  # noqa: PLC0415
 
   S, _, H, Dh = q.shape
@@ -221,10 +228,21 @@ def pallas_attention(
   if live is not None:
     lengths = jnp.where(live, lengths, 0)
   qs = q[:, 0].astype(jnp.float32) * (scale or Dh**-0.5)
-  out = kernel.paged_attention(
+  call = functools.partial(
+    kernel.paged_attention, attn_logits_soft_cap=softcap, pages_per_compute_block=block
+  )
+  if shards is not None:
+    mesh, axes = shards
+    # vmap's batching of shard_map splits the group axis over `axes` (its spmd_axis_name);
+    # inside, each shard holds one group. Other mesh axes stay automatic.
+    spec = jax.sharding.PartitionSpec()
+    call = jax.shard_map(
+      call, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=frozenset(axes),
+      check_vma=False,
+    )  # fmt: skip
+  out = call(
     qs, pool_k.reshape(K, L * N, ps, Dh), pool_v.reshape(K, L * N, ps, Dh),
-    lengths.astype(jnp.int32), pages.astype(jnp.int32), attn_logits_soft_cap=softcap,
-    pages_per_compute_block=block,
+    lengths.astype(jnp.int32), pages.astype(jnp.int32),
   )  # fmt: skip
   return out[:, None].astype(q.dtype)
 
@@ -282,6 +300,7 @@ def decode_step(
   live: jax.Array,
   with_routing: bool = False,
   attention_impl: str = "gather",
+  shards: tuple[jax.sharding.Mesh, tuple[str, ...]] | None = None,
 ) -> tuple[jax.Array, PagePool] | tuple[jax.Array, PagePool, jax.Array]:
   """One token per decode slot through the model over the paged cache.
 
@@ -319,7 +338,8 @@ def decode_step(
       if attention_impl != "pallas":
         return gather(attention.layer_window(scores.window, local))
       kernel = lambda: pallas_attention(
-        q, pk, pv, l, page_table, length, live, scale=scores.scale, softcap=scores.softcap
+        q, pk, pv, l, page_table, length, live, scale=scores.scale, softcap=scores.softcap,
+        shards=shards,
       )
       if scores.window is None or local is False:
         return kernel()
