@@ -340,7 +340,7 @@ def decode_step(
       kernel = lambda: pallas_attention(
         q, pk, pv, l, page_table, length, live, scale=scores.scale, softcap=scores.softcap,
         shards=shards,
-      )
+      )  # fmt: skip
       if scores.window is None or local is False:
         return kernel()
       if local is None or local is True:
