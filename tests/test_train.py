@@ -108,6 +108,11 @@ def test_builtin_tasks_split_and_score(name):  # the arithmetic ones; tests/test
   ids = [tok.pad_id, tok.bos_id, *tok.encode("12"), tok.eos_id, *tok.encode("3")]
   assert tok.decode(ids) == "12"  # up to the first eos, without pad and bos
   assert tok.decode(ids, skip_special=False) == "<pad><bos>12<eos>3"
+  for bad in (-1, tok.vocab_size):  # a model id past the task's vocabulary is an error
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+      tok.decode([bad])
+  with pytest.raises(ValueError, match=r"characters \['x'\] are not in the task vocabulary"):
+    tok.encode("1x2")
   comps = {c.level: c for c in task.components}
   assert len(comps) == len(task.components) and {p.level for p in tr} == set(comps)
   for p in ev[:100]:

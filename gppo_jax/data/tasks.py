@@ -27,44 +27,71 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+-*=() ?"
 
 
-class CharTokenizer:
-  """A fixed character vocabulary for the built-in tasks: ids 0..2 are pad, bos, eos."""
+class _FixedVocabulary:
+  """A vocabulary fixed in code: ids 0..2 are pad, bos, eos, then `symbols` in order. Subclasses
+  say how text splits into symbols (`_split`) and how decoded symbols join (`joiner`)."""
 
-  def __init__(self, chars: str = CHARS):
+  joiner = ""
+
+  def __init__(self, symbols: Sequence[str]):
     self.specials = [PAD, BOS, EOS]
-    self.chars = chars
-    self._to_id = {c: i + len(self.specials) for i, c in enumerate(chars)}
+    self.symbols = tuple(symbols)
+    self._to_id = {c: i + len(self.specials) for i, c in enumerate(self.symbols)}
     self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-    self.vocab_size = len(self.specials) + len(chars)
+    self.vocab_size = len(self.specials) + len(self.symbols)
     self.chat_template = None
 
   @property
   def eos_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)
 
+  def _split(self, text: str) -> Sequence[str]:
+    raise NotImplementedError
+
+  def _unknown(self, bad: list[str]) -> str:
+    """The error for symbols of a text that are not in the vocabulary."""
+    raise NotImplementedError
+
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
-    bad = sorted({c for c in text if c not in self._to_id})
+    parts = self._split(text)
+    bad = sorted({c for c in parts if c not in self._to_id})
     if bad:
-      raise ValueError(f"characters {bad!r} are not in the task vocabulary {self.chars!r}")
-    ids = [self._to_id[c] for c in text]
+      raise ValueError(self._unknown(bad))
+    ids = [self._to_id[c] for c in parts]
     return [self.bos_id, *ids] if add_bos else ids
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     out = []
     for i in ids:
       i = int(i)
+      if not 0 <= i < self.vocab_size:
+        raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
       if i < len(self.specials):
         if i == self.eos_id and skip_special:
           break
         if not skip_special:
           out.append(self.specials[i])
         continue
-      out.append(self.chars[i - len(self.specials)])
-    return "".join(out)
+      out.append(self.symbols[i - len(self.specials)])
+    return self.joiner.join(out)
 
   def apply_chat_template(self, messages: list[dict]) -> str:
     """The built-in tasks have no chat format: the user turn is the prompt."""
-    return "".join(m["content"] for m in messages if m.get("role", "user") == "user")
+    return self.joiner.join(m["content"] for m in messages if m.get("role", "user") == "user")
+
+
+class CharTokenizer(_FixedVocabulary):
+  """A fixed character vocabulary for the built-in tasks: ids 0..2 are pad, bos, eos."""
+
+  def __init__(self, chars: str = CHARS):
+    super().__init__(chars)
+    self.chars = chars
+
+  def _split(self, text: str) -> Sequence[str]:
+    return text
+
+  def _unknown(self, bad: list[str]) -> str:
+    return f"characters {bad!r} are not in the task vocabulary {self.chars!r}"
 
 
 # --- Problems ----------------------------------------------------------------------------------
@@ -222,58 +249,30 @@ def synthetic_word(index: int) -> str:
   return _SYLLABLES[k // len(_SYLLABLES)] + _SYLLABLES[k % len(_SYLLABLES)]
 
 
-class WordTokenizer:
+class WordTokenizer(_FixedVocabulary):
   """A fixed word-level vocabulary built in code: ids 0..2 are pad, bos, eos, then `words` in
   order. Text is words separated by whitespace; decoding joins them with single spaces."""
 
+  joiner = " "
+
   def __init__(self, words: Sequence[str]):
     words = tuple(words)
-    self.specials = [PAD, BOS, EOS]
-    bad = [w for w in words if not w or w != w.strip() or len(w.split()) != 1 or w in self.specials]
+    specials = (PAD, BOS, EOS)
+    bad = [w for w in words if not w or w != w.strip() or len(w.split()) != 1 or w in specials]
     if bad:
       raise ValueError(f"vocabulary words must be non-empty, without whitespace: {bad[:5]!r}")
     if len(set(words)) != len(words):
       dup = sorted({w for w in words if words.count(w) > 1})
       raise ValueError(f"vocabulary words must be distinct, repeated: {dup[:5]!r}")
+    super().__init__(words)
     self.words = words
-    self._to_id = {w: i + len(self.specials) for i, w in enumerate(words)}
-    self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-    self.vocab_size = len(self.specials) + len(words)
-    self.chat_template = None
 
-  @property
-  def eos_ids(self) -> tuple[int, ...]:
-    return (self.eos_id,)
+  def _split(self, text: str) -> Sequence[str]:
+    return text.split()
 
-  def encode(self, text: str, add_bos: bool = False) -> list[int]:
-    parts = text.split()
-    bad = sorted({w for w in parts if w not in self._to_id})
-    if bad:
-      raise ValueError(
-        f"words {bad[:5]!r}{' ...' if len(bad) > 5 else ''} are not in the task vocabulary "
-        f"({len(self.words)} words)"
-      )
-    ids = [self._to_id[w] for w in parts]
-    return [self.bos_id, *ids] if add_bos else ids
-
-  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-    out = []
-    for i in ids:
-      i = int(i)
-      if not 0 <= i < self.vocab_size:
-        raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-      if i < len(self.specials):
-        if i == self.eos_id and skip_special:
-          break
-        if not skip_special:
-          out.append(self.specials[i])
-        continue
-      out.append(self.words[i - len(self.specials)])
-    return " ".join(out)
-
-  def apply_chat_template(self, messages: list[dict]) -> str:
-    """The built-in tasks have no chat format: the user turn is the prompt."""
-    return " ".join(m["content"] for m in messages if m.get("role", "user") == "user")
+  def _unknown(self, bad: list[str]) -> str:
+    more = " ..." if len(bad) > 5 else ""
+    return f"words {bad[:5]!r}{more} are not in the task vocabulary ({len(self.words)} words)"
 
 
 @dataclasses.dataclass(frozen=True)
