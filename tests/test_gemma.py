@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_parity import hf_logits, padded_batch
 
 from gppo_jax.generation import continuous, paged, sampler
 from gppo_jax.models import architectures, attention, hf_checkpoint, tokenizer
@@ -184,24 +185,7 @@ def saved(request, tmp_path_factory):
   return request.param, m, path
 
 
-def _batch():
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, 256, size=(2, T)).astype(np.int32)
-  mask = np.ones((2, T), bool)
-  mask[0, :5] = False
-  tokens[0, :5] = 0
-  positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
-
-
-def _hf_logits(m, tokens, mask, positions):
-  with torch.no_grad():
-    out = m(
-      input_ids=torch.tensor(tokens, dtype=torch.long),
-      attention_mask=torch.tensor(mask, dtype=torch.long),
-      position_ids=torch.tensor(positions, dtype=torch.long),
-    )
-  return out.logits.float().numpy()
+_batch = functools.partial(padded_batch, 256, T)
 
 
 def _our_logits(policy, tokens, mask, positions):
@@ -223,7 +207,7 @@ def test_logits_match_transformers(saved, impl, monkeypatch):
   assert cfg.family == kind and cfg.sliding_window == WINDOW
   assert cfg.local_layers == ((0, 2) if kind == "gemma2" else (0, 1, 3))
   batch = _batch()
-  want = _hf_logits(hf, *batch)
+  want = hf_logits(hf, *batch)
   mask = batch[1]
   got = _our_logits(policy, *batch)
   np.testing.assert_allclose(got[mask], want[mask], atol=1e-4, rtol=1e-4)
@@ -239,13 +223,13 @@ def test_export_round_trip(saved, tmp_path):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   batch = _batch()
   mask = batch[1]
-  want = _hf_logits(hf, *batch)
-  np.testing.assert_allclose(_hf_logits(reloaded.eval(), *batch)[mask], want[mask], atol=1e-5)
+  want = hf_logits(hf, *batch)
+  np.testing.assert_allclose(hf_logits(reloaded.eval(), *batch)[mask], want[mask], atol=1e-5)
   assert hf_checkpoint.load_model(out).cfg == policy.cfg
   # Written from scratch (no source config.json), transformers reads the same model.
   bare = hf_checkpoint.save_model(policy, tmp_path / "bare")
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(bare, attn_implementation="eager")
-  np.testing.assert_allclose(_hf_logits(reloaded.eval(), *batch)[mask], want[mask], atol=1e-5)
+  np.testing.assert_allclose(hf_logits(reloaded.eval(), *batch)[mask], want[mask], atol=1e-5)
   assert hf_checkpoint.load_model(bare).cfg == policy.cfg
 
 
@@ -255,7 +239,7 @@ def test_kv_cache_prefill_and_steps_match_transformers(saved):
   kind, hf, path = saved
   policy = hf_checkpoint.load_model(path)
   tokens, mask, positions = _batch()
-  want = _hf_logits(hf, tokens, mask, positions)
+  want = hf_logits(hf, tokens, mask, positions)
   P = 12
   graphdef, state = nnx.split(policy)
 

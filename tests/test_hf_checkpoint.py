@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_parity import hf_logits, padded_batch
 from safetensors.numpy import load_file, save_file
 
 from gppo_jax import errors
@@ -61,23 +62,7 @@ def _hf_model(kind: str):
 
 def _batch():
   """Two sequences, the first left-padded, with positions per the project convention."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, 96, size=(2, 21)).astype(np.int32)
-  mask = np.ones((2, 21), bool)
-  mask[0, :5] = False
-  tokens[0, :5] = 0
-  positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
-
-
-def _hf_logits(m, tokens, mask, positions):
-  with torch.no_grad():
-    out = m(
-      input_ids=torch.tensor(tokens, dtype=torch.long),
-      attention_mask=torch.tensor(mask, dtype=torch.long),
-      position_ids=torch.tensor(positions, dtype=torch.long),
-    )
-  return out.logits.float().numpy()
+  return padded_batch(96, 21)
 
 
 @nnx.jit
@@ -116,7 +101,7 @@ def test_logits_match_transformers_with_left_padding(saved):
   tokens, mask, positions = _batch()
   if kind == "qwen2-bias":
     assert (path / hf_checkpoint.INDEX_FILE).is_file()
-  _assert_close_on(mask, _our_logits(policy, tokens, mask, positions), _hf_logits(hf, *_batch()))
+  _assert_close_on(mask, _our_logits(policy, tokens, mask, positions), hf_logits(hf, *_batch()))
 
 
 def test_export_reloads_in_transformers(saved, tmp_path):
@@ -127,7 +112,7 @@ def test_export_reloads_in_transformers(saved, tmp_path):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   tokens, mask, positions = _batch()
   _assert_close_on(
-    mask, _hf_logits(reloaded.eval(), tokens, mask, positions), _hf_logits(hf, *_batch())
+    mask, hf_logits(reloaded.eval(), tokens, mask, positions), hf_logits(hf, *_batch())
   )
   # And our own loader reads the export back to the same config.
   assert hf_checkpoint.load_model(out).cfg == policy.cfg
@@ -137,7 +122,7 @@ def test_kv_cache_prefill_and_steps_match_full_forward(saved):
   kind, hf, path = saved
   policy = hf_checkpoint.load_model(path)
   tokens, mask, positions = _batch()
-  want = _hf_logits(hf, tokens, mask, positions)
+  want = hf_logits(hf, tokens, mask, positions)
   P, T = 12, tokens.shape[1]
   cache = model.init_cache(policy.cfg, 2, T + 3)
   graphdef, state = nnx.split(policy)
@@ -173,7 +158,7 @@ def test_bfloat16_loads_and_runs(kind, tmp_path):
   tokens, mask, positions = _batch()
   got = _our_logits(policy, tokens, mask, positions)
   assert np.isfinite(got).all()
-  want = _hf_logits(hf, tokens, mask, positions)
+  want = hf_logits(hf, tokens, mask, positions)
   assert np.abs(got - want)[mask].mean() < 0.1 * np.abs(want).mean()
 
 
@@ -347,7 +332,7 @@ def test_load_onto_mesh_shards_parameters_and_keeps_logits(llama_dir):
   assert policy.embed[...].sharding.spec == jax.P("tensor", "fsdp")
   tokens, mask, positions = _batch()
   hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
-  want = _hf_logits(hf.eval(), tokens, mask, positions)
+  want = hf_logits(hf.eval(), tokens, mask, positions)
   _assert_close_on(mask, _our_logits(policy, tokens, mask, positions), want)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hf_parity import hf_logits
 
 from gppo_jax import config_lib, errors, train
 from gppo_jax.algorithm import objective
@@ -252,18 +253,6 @@ def _hf_base(kind, tmp_path):
   return path
 
 
-def _hf_logits(model, tokens, mask, positions):
-  import torch
-
-  with torch.no_grad():
-    out = model(
-      input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
-      attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
-      position_ids=torch.tensor(np.asarray(positions), dtype=torch.long),
-    )
-  return out.logits.float().numpy()
-
-
 @pytest.mark.parametrize("kind,targets", [("qwen2", "q|k|v|o|gate|up|down"), ("llama", "q|o|up")])
 def test_peft_loads_the_exported_adapters_with_our_logits(kind, targets, tmp_path):
   peft = pytest.importorskip("peft")
@@ -281,17 +270,17 @@ def test_peft_loads_the_exported_adapters_with_our_logits(kind, targets, tmp_pat
   config = json.loads((adapter / hf_checkpoint.PEFT_CONFIG_FILE).read_text())
   assert config["r"] == 4 and config["lora_alpha"] == 12.0
   base = transformers.AutoModelForCausalLM.from_pretrained(base_path, attn_implementation="eager")
-  base_logits = _hf_logits(base.eval(), tokens, mask, positions)
+  base_logits = hf_logits(base.eval(), tokens, mask, positions)
   assert np.abs(base_logits[m] - ours[m]).max() > 1e-2  # the adapters matter
   peft_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
   np.testing.assert_allclose(
-    _hf_logits(peft_model, tokens, mask, positions)[m], ours[m], atol=1e-4, rtol=1e-4
+    hf_logits(peft_model, tokens, mask, positions)[m], ours[m], atol=1e-4, rtol=1e-4
   )
 
   merged = hf_checkpoint.save_model(policy, tmp_path / "merged", source=base_path)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager")
   np.testing.assert_allclose(
-    _hf_logits(reloaded.eval(), tokens, mask, positions)[m], ours[m], atol=1e-4, rtol=1e-4
+    hf_logits(reloaded.eval(), tokens, mask, positions)[m], ours[m], atol=1e-4, rtol=1e-4
   )
 
 
@@ -497,11 +486,11 @@ def test_lora_run_on_a_hf_folder_exports_merged_and_peft_folders(tmp_path):
   load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(
     p, attn_implementation="eager"
   ).eval()
-  merged = _hf_logits(load(wd / "hf_export"), tokens, mask, positions)[m]
+  merged = hf_logits(load(wd / "hf_export"), tokens, mask, positions)[m]
   base = load(model_dir)
-  base_logits = _hf_logits(base, tokens, mask, positions)[m]
+  base_logits = hf_logits(base, tokens, mask, positions)[m]
   adapted = peft.PeftModel.from_pretrained(base, str(wd / "peft_adapter")).eval()
-  np.testing.assert_allclose(_hf_logits(adapted, tokens, mask, positions)[m], merged, atol=1e-4)
+  np.testing.assert_allclose(hf_logits(adapted, tokens, mask, positions)[m], merged, atol=1e-4)
   assert np.abs(merged - base_logits).max() > 1e-3
   config = json.loads((wd / "peft_adapter" / hf_checkpoint.PEFT_CONFIG_FILE).read_text())
   assert sorted(config["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]

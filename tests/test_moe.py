@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_parity import hf_forward, padded_batch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from gppo_jax import errors
@@ -60,23 +61,11 @@ def saved(tmp_path_factory):
 
 
 def _batch(B=2):
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, 128, size=(B, T)).astype(np.int32)
-  mask = np.ones((B, T), bool)
-  mask[0, :3] = False
-  tokens[0, :3] = 0
-  positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
+  return padded_batch(128, T, rows=B, pad=3)
 
 
 def _hf(m, tokens, mask, positions):
-  with torch.no_grad():
-    out = m(
-      input_ids=torch.tensor(tokens, dtype=torch.long),
-      attention_mask=torch.tensor(mask, dtype=torch.long),
-      position_ids=torch.tensor(positions, dtype=torch.long),
-      output_router_logits=True,
-    )
+  out = hf_forward(m, tokens, mask, positions, output_router_logits=True)
   return out.logits.float().numpy(), out
 
 
