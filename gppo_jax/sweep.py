@@ -60,6 +60,7 @@ policy runs before the other runs of that start, so that it alone warms the cach
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import json
@@ -328,6 +329,37 @@ def _check_task(name: str) -> None:
 
   if name not in tasks.TASKS:
     raise errors.unknown_name("built-in task", name, tasks.TASKS, " (--task)")
+
+
+def check_metric(settings: Settings) -> None:
+  """ConfigError at launch for a --metric the runs' evaluation will not log: avg@N needs N
+  samples per problem (eval.n, default the largest k), pass@K a K in eval.k (with the task's
+  config and the sweep's eval.* overrides), rather than an error after the first run."""
+  from gppo_jax.rewards import pass_at_k  # noqa: PLC0415
+
+  figure = settings.metric.rsplit("/", 1)[-1]
+  if figure == DEFAULT_METRIC:
+    return
+  e = _base_config(settings.task).eval
+  values = {"k": e.k, "n": e.get("n")}
+  for item in settings.overrides:
+    key, _, value = item.partition("=")
+    if key in ("eval.k", "eval.n"):
+      try:
+        values[key[5:]] = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        values[key[5:]] = value
+  try:
+    ks = pass_at_k.normalize_ks(values["k"])
+    n = max(ks, default=0) if values["n"] is None else int(values["n"])
+  except (TypeError, ValueError):
+    return  # the runs' own validation names a bad eval.k or eval.n
+  logged = [DEFAULT_METRIC] + ([f"avg@{n}"] if n else []) + [f"pass@{k}" for k in ks]
+  if figure not in logged:
+    raise errors.ConfigError(
+      f"--metric {settings.metric}: the runs' evaluation (eval.n={n}, eval.k={list(ks)}) logs "
+      f"{', '.join(logged)}; choose one of them or set eval.n / eval.k with --set"
+    )
 
 
 def train_args(run: Run, settings: Settings) -> list[str]:
@@ -651,8 +683,8 @@ def parser() -> argparse.ArgumentParser:
     default=None,
     help="the held-out figure the report ranks cells by: accuracy (greedy, the default), avg@N "
     "(sampled: mean correctness of N samples per problem, e.g. avg@4 with the default eval.k), "
-    "pass@K, as logged under eval/; recorded in sweep.json (with --report-only: the folder's "
-    "unless given)",
+    "pass@K, as logged under eval/; checked at launch against the runs' eval.n and eval.k; "
+    "recorded in sweep.json (with --report-only: the folder's unless given)",
   )
   p.add_argument("--out", default=os.path.join("workdirs", "sweep"), help="the sweep folder")
   p.add_argument(
@@ -683,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.task:
     _check_task(a.task)
   settings = Settings(out, parse_overrides(a.set), a.start, a.eps, a.task, metric or DEFAULT_METRIC)
+  check_metric(settings)
   runs = expand(
     parse_cells(a.cells), parse_rules(a.rules), parse_scales(a.scales), parse_seeds(a.seeds)
   )

@@ -517,6 +517,25 @@ def test_a_metric_the_runs_did_not_log_is_a_clear_error(tmp_path):
                                                    "kl_atomic")), "avg@16")["final"])  # fmt: skip
 
 
+def test_a_metric_the_runs_will_not_log_is_refused_at_launch(tmp_path, capsys):
+  """Before any run: avg@N needs eval.n = N, pass@K a K in eval.k (the task's, or --set's)."""
+  launch = lambda *args: sweep.main(
+    ["--dry-run", "--cells", "tv_mc", "--seeds", "0", "--out", str(tmp_path), *args]
+  )
+  for metric in ("avg@8", "pass@2", "math500/avg@16"):
+    with pytest.raises(errors.ConfigError, match=rf"--metric {metric}: .* logs accuracy, avg@4"):
+      launch("--metric", metric)
+  for args in (
+    ("--metric", "avg@4"), ("--metric", "level1/pass@4"), ("--metric", "accuracy"),
+    ("--task", "wordchain", "--metric", "avg@4"),
+    ("--metric", "avg@8", "--set", "eval.k=1,8"), ("--metric", "pass@1", "--set", "eval.k=1,8"),
+    ("--metric", "avg@6", "--set", "eval.n=6"),
+  ):  # fmt: skip
+    assert launch(*args) == 0, args
+  assert "gppo_jax.train" in capsys.readouterr().out
+  assert not os.listdir(tmp_path)  # refused before the folder was touched
+
+
 def test_a_sweep_folder_keeps_its_metric(tmp_path):
   """Like --task: recorded in sweep.json when not the default, and resuming the folder with
   another statistic (or without it) is refused."""
