@@ -64,6 +64,19 @@ def all_eqns(jaxpr):
       yield from all_eqns(sub)
 
 
+def load_config(name: str, arg: str | None = None):
+  """configs/<name>'s config (name with or without .py), as `--config=configs/<name>:<arg>`
+  builds it."""
+  import importlib.util  # noqa: PLC0415
+
+  name = name.removesuffix(".py")
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  spec = importlib.util.spec_from_file_location(name, os.path.join(path, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def one_device_env() -> dict[str, str]:
   """The environment for a child command on one CPU device (no simulated devices), with the
   session's compile flags and compilation cache."""

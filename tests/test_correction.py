@@ -1,20 +1,17 @@
 """The rollout/trainer mismatch: its metrics and corrections against plain loops (numpy), the
 weighted policy term, and a training run that recomputes, measures and corrects."""
 
-import importlib.util
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_config
 
 from gppo_jax import config_lib, errors, train
 from gppo_jax.algorithm import correction, objective
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _batch(seed, b=6, t=9, scale=0.8):
@@ -134,10 +131,7 @@ def test_token_weight_scales_the_policy_term_and_not_the_kl_penalty():
 
 
 def _smoke(tmp_path, **rollout):
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs/kl_atomic.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("smoke")
+  c = load_config("kl_atomic", "smoke")
   c.iterations = 2
   c.eval.every = 2
   c.eval.num_problems = 8
@@ -166,10 +160,7 @@ def test_training_measures_and_corrects_the_mismatch(tmp_path, rollout):
 
 
 def test_correction_without_recomputed_logprobs_is_a_config_error():
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, "configs/kl_atomic.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("smoke")
+  c = load_config("kl_atomic", "smoke")
   c.rollout.correction = "tis"
   with pytest.raises(errors.ConfigError, match="needs rollout.recompute_logprobs=True"):
     config_lib.validate(c)

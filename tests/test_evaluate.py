@@ -12,6 +12,7 @@ import sys
 import conftest
 import jax
 import pytest
+from conftest import load_config
 
 from gppo_jax import config_lib, errors, evaluate
 from gppo_jax.algorithm import presets
@@ -21,10 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def smoke_config(tmp_path):
-  spec = importlib.util.spec_from_file_location("kl_atomic", f"{REPO}/configs/kl_atomic.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config("smoke")
+  c = load_config("kl_atomic", "smoke")
   c.warmstart.cache_dir = str(tmp_path / "cache")  # a warm start would create it
   return c
 
@@ -67,13 +65,6 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
   lines = [x for x in p.stderr.splitlines() if x.strip()]
   assert lines[-1].startswith("error: --workdir=") and "Traceback" not in p.stderr
   assert not (tmp_path / "nothing_here").exists()
-
-
-def load_config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name, f"{REPO}/configs/{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 def parse_flags(*argv):

@@ -4,7 +4,6 @@ the sweep, and a few training iterations of each."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_config
 
 from gppo_jax import config_lib, errors, sweep, train
 from gppo_jax.algorithm import objective, presets
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSPO_EPS = (3e-4, 4e-4)  # (eps_low, eps_high) of the published GSPO runs
 CISPO_EPS_HIGH = 0.28
 
@@ -328,14 +327,6 @@ def test_bad_ratio_level_settings_are_named():
 
 
 # --- Selection: presets, config files, cell=, the sweep -----------------------------------------
-
-
-def load_config(name, arg=None):
-  path = os.path.join(REPO, "configs", name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 def test_presets_and_configs_hold_the_published_settings():

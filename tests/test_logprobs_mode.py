@@ -9,7 +9,6 @@ Each test checks the property against a numpy computation from the full-sequence
 wrong kept set, a wrong normaliser or a mismatch between the sampler and the update fails.
 """
 
-import importlib.util
 import json
 import os
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import load_config
 from flax import nnx
 
 from gppo_jax import config_lib, errors, train
@@ -27,7 +27,6 @@ from gppo_jax.models import architectures
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import train_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17], [20, 21]]
 N = 10  # response tokens
 T = 0.5  # a temperature below 1 spreads the tiny model's logits
@@ -309,13 +308,6 @@ def test_mesh_sampler_records_the_same_kept_sets(model):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.kept_ids, want.kept_ids)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-6)
-
-
-def load_config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(REPO, "configs", name))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 def test_training_in_sampled_mode_runs_end_to_end(tmp_path):

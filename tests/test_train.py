@@ -2,7 +2,6 @@
 
 import glob
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import load_config
 
 from gppo_jax import config_lib, evaluate, train
 from gppo_jax.data import envs, tasks
@@ -21,14 +21,6 @@ from gppo_jax.models import sharding
 from gppo_jax.trainer import experiment, train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name, arg=None):
-  path = os.path.join(REPO, "configs", name)
-  spec = importlib.util.spec_from_file_location(name[:-3], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
 
 
 def test_every_config_file_loads_and_validates():
