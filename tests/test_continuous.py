@@ -134,6 +134,23 @@ def test_samples_do_not_depend_on_slots_order_or_preemption(policy):
   assert preempted > 0  # the small pool did preempt, and the regenerated rows are the same
 
 
+def test_more_samples_per_prompt_than_slots_are_served_as_asked(policy):
+  """G = 5 samples per prompt on 4 slots: each prompt's samples are admitted in parts (each
+  prefilling the prompt), and the rows are the ones the fixed sampler draws with the same keys."""
+  cfg, graphdef, params, prompts = policy
+  sp = sampler.SamplingParams(max_new_tokens=8, stop_ids=(1,), pad_id=0)
+  key = jax.random.key(2)
+  engine = continuous.ContinuousSampler(graphdef, sp, continuous.EngineConfig(slots=4, page_size=4))
+  got = engine(params, prompts[:3], key, group_size=5)
+  P = engine.stats["prompt_len"]
+  tokens, mask = sampler.left_pad([p for p in prompts[:3] for _ in range(5)], pad_id=0, length=P)
+  keys = sampler.row_keys(key, np.repeat(np.arange(3), 5), np.tile(np.arange(5), 3))
+  want = sampler.sample(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), keys, sp)
+  np.testing.assert_array_equal(got.tokens, np.asarray(want.tokens))
+  np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-5)
+  assert engine.stats["prefilled_prompts"] == 6  # 3 prompts x 2 parts
+
+
 def test_row_limits_end_rows_on_both_paths(policy):
   cfg, graphdef, params, prompts = policy
   sp = sampler.SamplingParams(max_new_tokens=N, pad_id=0)  # no stop token: only the limits end rows
@@ -182,8 +199,18 @@ def test_bad_settings_are_named(policy):
   with pytest.raises(ValueError, match="holds fewer than the"):
     small(params, prompts, jax.random.key(0), group_size=G)
   engine = continuous.ContinuousSampler(graphdef, sp, continuous.EngineConfig(slots=4))
-  with pytest.raises(ValueError, match="group_size=5 must be in"):
-    engine(params, prompts, jax.random.key(0), group_size=5)
+  with pytest.raises(ValueError, match="group_size=0 must be >= 1"):
+    engine(params, prompts, jax.random.key(0), group_size=0)
+  with pytest.raises(ValueError, match="give num_pages or kv_memory_gib, not both"):
+    continuous.EngineConfig(num_pages=10, kv_memory_gib=1.0)
+  tiny = continuous.ContinuousSampler(graphdef, sp, continuous.EngineConfig(kv_memory_gib=1e-6))
+  with pytest.raises(ValueError, match=r"kv_memory_gib=1e-06 \(\d+ pages\) holds fewer than"):
+    tiny(params, prompts, jax.random.key(0), group_size=G)
+  sampler_call = continuous.EngineSampler(graphdef, continuous.EngineConfig(slots=4))
+  rows = np.ones((6, 5), np.int32)
+  with pytest.raises(ValueError, match="rows do not come in runs of 3 identical prompts"):
+    sampler_call(params, rows * np.arange(6)[:, None], rows > 0, jax.random.key(0), sp,
+                 group_size=3)  # fmt: skip
   with pytest.raises(ValueError, match="row_limits: one limit in"):
     engine(params, prompts, jax.random.key(0), group_size=G, row_limits=np.zeros(len(prompts) * G))
 

@@ -4,30 +4,39 @@
     out = engine(params, prompts, key, group_size=8)   # SampleOutput, rows prompt-major
 
 A fixed batch decodes until its longest row stops, so with long-tailed response lengths most of
-its rows idle most of the time, each holding a cache of max_new_tokens slots. Here S decode slots
-run in chunks of `chunk` steps (one jitted call each; the host does no per-token work). Between
-chunks the host collects the rows that stopped, frees their slots and pages, and prefills the next
-pending prompts into the free slots: each prompt once, its G samples sharing its prompt pages
-(`paged`). Pages are handed out ahead of each chunk, so memory follows the tokens held.
+its rows idle most of the time, each holding a cache of max_new_tokens slots. Here up to S rows
+decode at once, in chunks of `chunk` steps (one jitted call each; the host does no per-token
+work), and a small host scheduler (`_Rollout`) runs between chunks:
+
+- admit: pending prompts are prefilled into free slots, each prompt once for its samples, which
+  share its prompt pages (`paged`);
+- reserve or preempt: each running row gets the pages its next chunks may write; where a pool
+  runs short, the most recently admitted rows give theirs up. A preempted row keeps the tokens it
+  drew: when it is admitted again, its prompt and response so far are prefilled in one call and
+  it goes on from there (vLLM's recompute preemption);
+- decode: the chunk runs on the running rows only, gathered into a batch of a few compiled sizes
+  (powers of two up to the slots): as rows finish and no prompt is left to take their slots, the
+  batch shrinks, so the tail of a long-tailed rollout costs what its live rows cost;
+- collect: the chunk's tokens are written, on the device, into the rollout's output rows by row
+  id, fetched once at the end. The host reads only each chunk's small done / length flags, and
+  reads them one chunk late: chunk k + 1 is dispatched before chunk k's flags are read, so the
+  device never waits for the host's scheduling (a finished row costs at most one more chunk).
 
 Batch-invariant samples: the response of sample j of prompt i is drawn with the row key
 fold_in(fold_in(key, prompt_ids[i]), j) (`sampler.row_keys`), token s with fold_in(row key, s),
-so it depends on (params, prompt, key, i, j) only, not on the slot, the slot count or the prompt
-order, and equals what `sampler.sample` draws with the same row keys (up to float rounding).
+so it depends on (params, prompt, key, i, j) only, not on the slot, the batch it decodes in, the
+slot count or the prompt order, and equals what `sampler.sample` draws with the same row keys (up
+to float rounding; a resumed row's cache is its prefill's, not its decode's, which rounds alike).
 
-When the free pages cannot cover the next chunk, the most recently admitted running rows are
-preempted: their pages are freed and they are queued again, to be regenerated from the start
-(batch invariance makes the regenerated response the same one).
-
-Compiled shapes: the decode chunk once per (sampling, slots, pages, prompt length); the prefill
-once per power-of-two count of prompts up to `prefill_rows`. Neither grows with max_new_tokens
-or the number of prompts.
+Compiled shapes: the decode chunk once per batch size used; the prefill once per power-of-two
+count of prompts up to `prefill_rows` (and, for preempted rows, per power-of-two count of pages
+of prompt and response). None grows with max_new_tokens or the number of prompts.
 
 On a mesh the slots split into one group per batch shard (data x fsdp): each group has a pool of
 pages of its own, on its shard's devices, and the device programs run the groups side by side (a
-leading shard axis, vmapped), so a slot only ever reads pages held where it runs. A prompt's G
+leading shard axis, vmapped), so a slot only ever reads pages held where it runs. A prompt's
 samples share one group (and its prompt pages). Every process runs the same host bookkeeping on
-the same gathered values, so it serves several hosts as `sampler.MeshSampler` does.
+the same gathered flags, so it serves several hosts as `sampler.MeshSampler` does.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
+import time
 from collections.abc import Sequence
 
 import flax.struct
@@ -51,9 +60,9 @@ from gppo_jax.models import partitioning, sharding
 
 ENGINES = ("auto", "fixed", "continuous")  # config rollout.engine
 # "auto": continuous batching from this many max new tokens on, fixed batches below. At real
-# response lengths the engine wins (benchmarks/rollout.py: mean 256, cap 1,024 tokens); on the
-# built-in task's few-token answers its host round trips between chunks cost more than the
-# idle rows it saves (benchmarks/iteration.py --config.rollout.engine=...; docs/performance.md).
+# response lengths the engine wins (benchmarks/rollout.py); on the built-in tasks' few-token
+# answers a fixed batch is as fast (benchmarks/iteration.py --config.rollout.engine=...;
+# docs/performance.md).
 AUTO_MIN_NEW_TOKENS = 256
 
 
@@ -69,13 +78,15 @@ def engine_for(engine: str, max_new_tokens: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """slots: responses decoded at once. page_size: cache slots per page. num_pages: the pool's
-  pages (page 0 is reserved); None sizes it for every slot holding its prompt's share and a third
-  of max_new_tokens (rollouts whose responses run longer on average preempt and regenerate rows,
-  counted in `ContinuousSampler.stats`: then raise it). chunk: decode steps per call (a finished
-  row idles until its chunk ends). prefill_rows: the most prompts prefilled in one call.
+  """slots: the most responses decoding at once. page_size: cache slots per page. num_pages: the
+  pool's pages (page 0 is reserved); None sizes it from kv_memory_gib, or else for every slot
+  holding its prompt's share and a third of max_new_tokens (rollouts whose responses run longer
+  on average preempt rows, counted in `ContinuousSampler.stats`: then raise it).
+  kv_memory_gib: the pool's size in GiB (all shards together), as serving engines size theirs.
+  chunk: decode steps per call. prefill_rows: the most prompts prefilled in one call.
   attention: how decode steps attend over the pages (`paged.ATTENTION`, `paged.resolve_attention`):
-  "gather", "pallas" (JAX's TPU kernel) or "auto" (pallas on TPU where it is exact and fits)."""
+  "gather", "pallas" (JAX's TPU kernel) or "auto" (pallas on TPU where it is exact and fits).
+  unroll: decode steps run the layers unrolled (`paged.DecodeWeights`); None: on CPU only."""
 
   slots: int = 64
   page_size: int = 16
@@ -83,6 +94,8 @@ class EngineConfig:
   chunk: int = 32
   prefill_rows: int = 8
   attention: str = "auto"
+  kv_memory_gib: float | None = None
+  unroll: bool | None = None
 
   def __post_init__(self):
     for name in ("slots", "page_size", "chunk", "prefill_rows"):
@@ -96,14 +109,18 @@ class EngineConfig:
       raise ValueError(
         f"EngineConfig.num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}"
       )
+    if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
+      raise ValueError(f"EngineConfig.kv_memory_gib must be > 0, got {self.kv_memory_gib}")
+    if self.kv_memory_gib is not None and self.num_pages is not None:
+      raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
 
 
 @flax.struct.dataclass
 class SlotState:
   """The decode slots of one shard's group on device (the engine holds R groups stacked on a
   leading axis). length: cache slots filled (where the next fed token goes); start: the first
-  real cache slot (after the prompt's left padding; 0 in the pallas layout, `paged`); step:
-  response tokens drawn; keys: the row keys' data."""
+  real cache slot (after the prompt's left padding; 0 in the shifted layout, `paged`); step:
+  response tokens drawn; limit: the row's max new tokens; keys: the row keys' data."""
 
   pool: paged.PagePool
   last_token: jax.Array  # int32 [S]
@@ -111,20 +128,20 @@ class SlotState:
   length: jax.Array  # int32 [S]
   start: jax.Array  # int32 [S]
   step: jax.Array  # int32 [S]
-  limit: jax.Array  # int32 [S]: the row's max new tokens
+  limit: jax.Array  # int32 [S]
   done: jax.Array  # bool [S]
   keys: jax.Array  # uint32 [S, ...]: jax.random.key_data of each row's key
-  tokens: jax.Array  # int32 [S, N]
-  logprobs: jax.Array  # float32 [S, N]
-  entropy: jax.Array  # float32 [S, N]
-  topk_logprobs: jax.Array | None = None  # float32 [S, N, num_topk]
-  topk_ids: jax.Array | None = None  # int32 [S, N, num_topk]
-  kept_ids: jax.Array | None = None  # int32 [S, N, kept_width]
-  expert_ids: jax.Array | None = None  # int16 [S, N, num_layers, k] (record_experts)
+
+
+_ROW_FIELDS = ("last_token", "position", "length", "start", "step", "limit", "done", "keys")
 
 
 def _pages(n: int, page_size: int) -> int:
   return -(-n // page_size)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
 
 
 class _GroupPages:
@@ -169,14 +186,35 @@ class _GroupPages:
     table, local = self._at(slot)
     table.release(local)
 
+  def rows(self, slot: int) -> np.ndarray:
+    table, local = self._at(slot)
+    return table.table[local]
+
   @property
   def in_use(self) -> int:
     return sum(t.in_use for t in self.tables)
 
-  @property
-  def table(self) -> np.ndarray:
-    """int32 [R, slots per group, max_pages]: each group's page ids in its own pool."""
-    return np.stack([t.table for t in self.tables])
+
+@dataclasses.dataclass
+class _Unit:
+  """Rows admitted together: samples of one prompt (resume=False: prefilled from the prompt,
+  first token 0) or one preempted row (resume=True: prefilled from its prompt and the `drawn`
+  tokens it already has, first token `drawn`)."""
+
+  prompt: int
+  samples: list[int]
+  resume: bool = False
+  drawn: int = 0
+
+
+@dataclasses.dataclass
+class _Chunk:
+  """A dispatched decode chunk: its flags (read one chunk later) and who ran in it."""
+
+  flags: jax.Array  # int32 [3, R, S/R]: done, step, length of every slot after the chunk
+  slots: np.ndarray  # global slot ids that ran
+  rows: np.ndarray  # the row each of them held
+  batch: int  # rows computed per step: the batch size times the groups
 
 
 class ContinuousSampler:
@@ -185,7 +223,8 @@ class ContinuousSampler:
   Rows of the output are prompt-major (row i * G + j: sample j of prompt i), right-padded with
   pad_id after the stop token, like `sampler.SampleOutput`. On the default device, or with `mesh`
   on its batch shards (data x fsdp: `slots` must be a multiple of their count), the parameters
-  as they come (e.g. the trainer's shardings).
+  as they come (e.g. the trainer's shardings). `stats` holds the last call's counters
+  (`_Rollout.stats`).
   """
 
   def __init__(
@@ -206,126 +245,93 @@ class ContinuousSampler:
         f"shards ({dict(mesh.shape)}): each shard decodes slots / {self.groups} of them"
       )
     self.per_group = engine.slots // self.groups
-    # The state's and the host inputs' placement: the leading group axis over the batch shards.
+    # The state's and the host inputs' placement: the leading group axis over the batch shards;
+    # the output rows whole on every device.
     self._spread = (
       None
       if mesh is None
       else jax.sharding.NamedSharding(mesh, partitioning.batch_spec((self.groups,), mesh))
     )
+    self._whole = None if mesh is None else sharding.replicated(mesh)
+    self.unroll = jax.default_backend() == "cpu" if engine.unroll is None else engine.unroll
     self.stats: dict[str, float] = {}
     self.attention: str | None = None  # what EngineConfig.attention resolved to, once called
 
   def _attention(self, model_cfg) -> str:
     """What EngineConfig.attention runs (`paged.resolve_attention`). On several batch shards the
     kernel runs per shard on its own slot group (`_decode`)."""
-    e = self.engine
-    impl = paged.resolve_attention(e.attention, model_cfg, e.page_size)
+    impl = paged.resolve_attention(self.engine.attention, model_cfg, self.engine.page_size)
     self.attention = impl
     return impl
 
-  def pool_pages(self, prompt_len: int, group_size: int, attention: str = "gather") -> int:
-    """Pages of each group's pool: EngineConfig.num_pages split over the groups, or enough for
-    each slot's prompt share and a third of max_new_tokens (with attention "pallas", one more
-    page per slot: its copy of its prompt's partial last page), and never fewer than one whole
-    row needs."""
+  def batch_sizes(self) -> list[int]:
+    """The decode batch sizes (per group) a call may compile: powers of two below the slots per
+    group, and the slots per group."""
+    sizes, n = [], 1
+    while n < self.per_group:
+      sizes.append(n)
+      n *= 2
+    return [*sizes, self.per_group]
+
+  def pool_pages(self, prompt_len: int, group_size: int, attention: str = "gather",
+                 model_cfg=None) -> int:  # fmt: skip
+    """Pages of each group's pool: EngineConfig.num_pages split over the groups, or
+    kv_memory_gib's worth (model_cfg needed), or enough for each slot's prompt share, a third of
+    max_new_tokens and the two chunks it may run ahead (with attention "pallas", one more page
+    per slot: its copy of its prompt's partial last page), and never fewer than one whole row
+    needs."""
     e, n = self.engine, self.sampling.max_new_tokens
     row = _pages(prompt_len + n - 1, e.page_size)
-    if e.num_pages is not None:
-      pages = 1 + (e.num_pages - 1) // self.groups
+    if e.num_pages is not None or e.kv_memory_gib is not None:
+      if e.num_pages is not None:
+        pages, what = 1 + (e.num_pages - 1) // self.groups, f"EngineConfig.num_pages={e.num_pages}"
+      else:
+        page = paged.pool_bytes(model_cfg, 1, e.page_size)
+        pages = int(e.kv_memory_gib * 2**30 // page) // self.groups
+        what = f"EngineConfig.kv_memory_gib={e.kv_memory_gib} ({pages * self.groups} pages)"
       if pages - 1 < row:
         raise ValueError(
-          f"EngineConfig.num_pages={e.num_pages} holds fewer than the {row} pages one response "
-          f"of prompt {prompt_len} + {n} new tokens needs (plus the reserved page 0)"
+          f"{what} holds fewer than the {row} pages one response of prompt {prompt_len} + {n} "
+          "new tokens needs (plus the reserved page 0)"
           + (f" in each of the {self.groups} shards' pools" if self.groups > 1 else "")
         )
       return pages
     S = self.per_group
-    prompts = _pages(S, group_size) * (prompt_len // e.page_size)
-    own = _pages(n // 3 + e.chunk, e.page_size) + (attention == "pallas")
+    group = min(group_size, S)
+    prompts = _pages(S, group) * (prompt_len // e.page_size)
+    own = _pages(n // 3 + 2 * e.chunk, e.page_size) + (attention == "pallas")
     return 1 + max(row, prompts + S * own)
 
-  def _put(self, tree):
+  def _put(self, tree, whole: bool = False):
     """Host arrays with a leading group axis -> device arrays placed like the state (each
-    process passes every group; it feeds those its devices hold)."""
+    process passes every group; it feeds those its devices hold); whole: on every device."""
     if self._spread is None:
       return tree
+    if whole:
+      return jax.device_put(tree, self._whole)
     rows = sharding.process_rows(self.groups, self.mesh)
     return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(self._spread, np.asarray(x)[rows]), tree
     )
 
-  def _admit_units(self, params, state, units, pages, tokens, mask, key_data, limits, G, ends):
-    """Prefills `units` ((prompt, sample ids, slots) each; a unit's slots in one group) in one
-    call, each group's padded to the same power of two of prompts (dummy prompts write to the
-    trash page and start no slot). ends: each prompt's last cache slot + 1 (P, or its length in
-    the pallas layout: then its full pages are shared and each slot gets its own first page,
-    which takes the prompt's partial last page)."""
-    sp, R, Sg, ps = self.sampling, self.groups, self.per_group, self.engine.page_size
-    P = tokens.shape[1]
-    by_group = [[u for u in units if pages.group(u[2][0]) == r] for r in range(R)]
-    m = 1 << (max(map(len, by_group)) - 1).bit_length()
-    p_tok = np.full((R, m, P), sp.pad_id, np.int32)
-    p_mask = np.zeros((R, m, P), bool)
-    p_mask[..., -1] = True  # dummy prompts: one real token
-    p_pages = np.full((R, m, pages.prompt_pages), paged.TRASH_PAGE, np.int32)
-    slot_ids = np.full((R, m, G), Sg, np.int32)  # Sg: out of range, dropped
-    row_keys = np.zeros((R, m, G, *key_data.shape[1:]), key_data.dtype)
-    lim = np.ones((R, m, G), np.int32)
-    p_tail = np.full((R, m, G), paged.TRASH_PAGE, np.int32)
-    for r, group_units in enumerate(by_group):
-      for u, (prompt, samples, slots) in enumerate(group_units):
-        p_tok[r, u], p_mask[r, u] = tokens[prompt], mask[prompt]
-        end = int(ends[prompt])
-        p_pages[r, u, : end // ps] = pages.take_prompt(slots, end // ps)
-        if end % ps:
-          for j, slot in enumerate(slots):
-            pages.grow(slot, end)
-            p_tail[r, u, j] = pages.page(slot, end // ps)
-        rows = [prompt * G + j for j in samples]
-        slot_ids[r, u, : len(slots)] = [s % Sg for s in slots]
-        row_keys[r, u, : len(slots)] = key_data[rows]
-        lim[r, u, : len(slots)] = limits[rows]
-    inputs = self._put((p_tok, p_mask, p_pages, slot_ids, row_keys, lim, p_tail))
-    return _admit(self.graphdef, sp, self._spread, self.attention, params, state, *inputs)
-
-  def _init(self, model_cfg, num_pages, key_shape) -> SlotState:
-    e, sp = self.engine, self.sampling
-    return _init_state(
-      model_cfg, self.groups, self.per_group, num_pages, e.page_size, key_shape, sp, self._spread
-    )
-
   def warm_up(self, params: nnx.State, prompt_len: int, group_size: int = 1) -> None:
-    """Compiles every program a call with these shapes may run (the decode chunk and the
-    prefill of each power-of-two prompt count), on dummy inputs whose writes go to the trash
-    page: what a benchmark or a first rollout would otherwise compile as it goes."""
-    e, sp, R = self.engine, self.sampling, self.groups
-    P = -(-prompt_len // e.page_size) * e.page_size
-    cfg = _model_cfg(self.graphdef, params)
-    impl = self._attention(cfg)
-    num_pages = self.pool_pages(P, group_size, impl)
-    max_pages = _pages(P + sp.max_new_tokens - 1, e.page_size)
-    params = _in_compute_dtype(params, cfg.compute_dtype)
-    key_shape = jax.random.key_data(jax.random.key(0)).shape
-    state = self._init(cfg, num_pages, key_shape)
-    m = 1
-    while True:
-      inputs = self._put((
-        np.zeros((R, m, P), np.int32), np.ones((R, m, P), bool),
-        np.zeros((R, m, P // e.page_size), np.int32),
-        np.full((R, m, group_size), self.per_group, np.int32),
-        np.zeros((R, m, group_size, *key_shape), np.uint32), np.ones((R, m, group_size), np.int32),
-        np.zeros((R, m, group_size), np.int32),
-      ))  # fmt: skip
-      state = _admit(self.graphdef, sp, self._spread, impl, params, state, *inputs)
-      if m >= e.prefill_rows:
-        break
-      m *= 2
-    table, active = self._put(
-      (np.zeros((R, self.per_group, max_pages), np.int32), np.zeros((R, self.per_group), bool))
-    )
-    jax.block_until_ready(
-      _decode(self.graphdef, sp, e.chunk, self._spread, impl, params, state, table, active)
-    )
+    """Compiles the programs a call with these shapes runs (the decode chunk at each batch size,
+    the prefill of each power-of-two prompt count, the writes of their tokens) by a call on
+    dummy prompts that keeps every batch size busy: what a benchmark or a first rollout would
+    otherwise compile as it goes."""
+    e, sp = self.engine, self.sampling
+    rows = self.per_group * self.groups
+    # Responses of 1, 2, ... chunks + 1 tokens: the running batch passes every size on its way
+    # down, each prefill count is met at the start.
+    prompts = -(-rows // group_size)
+    limits = np.minimum(
+      1 + e.chunk * (1 + np.arange(prompts * group_size) % max(1, len(self.batch_sizes()))),
+      sp.max_new_tokens,
+    ).astype(np.int32)
+    self(
+      params, [[1] * prompt_len] * prompts, jax.random.key(0), group_size=group_size,
+      prompt_len=prompt_len, row_limits=limits,
+    )  # fmt: skip
 
   def __call__(
     self,
@@ -338,177 +344,332 @@ class ContinuousSampler:
     prompt_ids: Sequence[int] | None = None,
     row_limits: np.ndarray | None = None,
   ) -> sampler_lib.SampleOutput:
-    """prompts: token-id lists; group_size: samples per prompt; prompt_len: the padded prompt
+    """prompts: token-id lists; group_size: samples per prompt (more than a group's slots: its
+    samples are admitted in parts, each prefilling the prompt); prompt_len: the padded prompt
     length (rounded up to the page size; None: the longest prompt); prompt_ids: each prompt's
     id in the row keys (default 0, 1, ...); row_limits: int32 [num_prompts * G], each row's own
     max_new_tokens (as `sampler.sample`'s)."""
-    e, sp = self.engine, self.sampling
-    S, ps, N, G, R = e.slots, e.page_size, sp.max_new_tokens, group_size, self.groups
-    if G < 1 or G > self.per_group:
-      raise ValueError(
-        f"group_size={G} must be in [1, slots per shard={self.per_group}] (slots={S} over "
-        f"{R} batch shards)"
-      )
+    run = _Rollout(self, params, prompts, key, group_size, prompt_len, prompt_ids, row_limits)
+    out = run.run()
+    self.stats = run.stats()
+    return out
+
+
+class _Rollout:
+  """One call of a `ContinuousSampler`: the host's scheduler (admit, reserve or preempt, decode,
+  collect; module doc) and the device arrays it drives."""
+
+  def __init__(self, engine: ContinuousSampler, params, prompts, key, group_size, prompt_len,
+               prompt_ids, row_limits):  # fmt: skip
+    cfg, sp = engine.engine, engine.sampling
+    self.engine, self.cfg, self.sp = engine, cfg, sp
+    G, N, ps = group_size, sp.max_new_tokens, cfg.page_size
+    if G < 1:
+      raise ValueError(f"group_size={G} must be >= 1")
+    if not len(prompts):
+      raise ValueError("no prompts given")
+    self.G, self.N, self.ps = G, N, ps
+    self.num_rows = len(prompts) * G
     longest = max(map(len, prompts))
     P = -(-max(prompt_len or 0, longest) // ps) * ps
-    tokens, mask = sampler_lib.left_pad(prompts, pad_id=sp.pad_id, length=P)
+    self.P = P
+    self.prompts = [list(map(int, p)) for p in prompts]
+    self.tokens, self.mask = sampler_lib.left_pad(self.prompts, pad_id=sp.pad_id, length=P)
     ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids)
-    keys = sampler_lib.row_keys(
-      key, np.repeat(ids, G), np.tile(np.arange(G), len(prompts))
-    )  # [num_prompts * G], prompt-major
-    key_data = np.asarray(jax.random.key_data(keys))
-    limits = np.full(len(prompts) * G, N, np.int32)
+    keys = sampler_lib.row_keys(key, np.repeat(ids, G), np.tile(np.arange(G), len(prompts)))
+    self.key_data = np.asarray(jax.random.key_data(keys))  # [rows, ...], prompt-major
+    self.limits = np.full(self.num_rows, N, np.int32)
     if row_limits is not None:
       limits = np.asarray(row_limits, np.int32).reshape(-1)
-      if limits.shape != (len(prompts) * G,) or limits.min() < 1 or limits.max() > N:
-        raise ValueError(f"row_limits: one limit in [1, {N}] per row ({len(prompts) * G} rows)")
-    model_cfg = _model_cfg(self.graphdef, params)
-    impl = self._attention(model_cfg)
-    num_pages = self.pool_pages(P, G, impl)
-    max_pages = _pages(P + N - 1, ps)
-    # Each prompt's last cache slot + 1: P (left-padded), or its length in the pallas layout.
-    ends = mask.sum(axis=1).astype(np.int64) if impl == "pallas" else np.full(len(prompts), P)
-    params = _in_compute_dtype(params, model_cfg.compute_dtype)
-    state = self._init(model_cfg, num_pages, key_data.shape[1:])
+      if limits.shape != (self.num_rows,) or limits.min() < 1 or limits.max() > N:
+        raise ValueError(f"row_limits: one limit in [1, {N}] per row ({self.num_rows} rows)")
+      self.limits = limits
+    self.model_cfg = nnx.merge(engine.graphdef, params).cfg
+    self.impl = engine._attention(self.model_cfg)
+    self.shifted = self.impl == "pallas"  # the prompt layout (`paged`)
+    R, S = engine.groups, engine.per_group * engine.groups
+    self.R, self.S, self.per_group = R, S, engine.per_group
+    self.num_pages = engine.pool_pages(P, G, self.impl, self.model_cfg)
+    self.max_pages = _pages(P + N - 1, ps)
+    self.pages = _GroupPages(R, self.num_pages, S, self.max_pages, P // ps, ps)
+    # Each prompt's last cache slot + 1: P (left-padded), or its length when shifted.
+    self.ends = self.mask.sum(axis=1) if self.shifted else np.full(len(prompts), P)
+    self.params = _in_compute_dtype(params, self.model_cfg.compute_dtype)
+    self.state = _init_state(
+      self.model_cfg, R, engine.per_group, self.num_pages, ps, self.key_data.shape[1:],
+      engine._spread,
+    )  # fmt: skip
+    self.outputs = _init_outputs(self.model_cfg, sp, self.num_rows, engine._whole)
 
-    out_tokens = np.full((len(prompts) * G, N), sp.pad_id, np.int32)
-    out_logprobs = np.zeros((len(prompts) * G, N), np.float32)
-    out_entropy = np.zeros((len(prompts) * G, N), np.float32)
-    # Per-token records of some settings (SampleOutput's): name -> the rows' buffer.
-    routes = (model_cfg.num_layers, model_cfg.num_experts_per_tok) if sp.record_experts else ()
-    extras = {
-      name: np.full((len(prompts) * G, N, *shape), fill, dtype)
-      for name, shape, fill, dtype in (
-        ("topk_logprobs", (sp.num_topk,), -np.inf, np.float32),
-        ("topk_ids", (sp.num_topk,), sp.pad_id, np.int32),
-        ("kept_ids", (sp.kept_width,), -1, np.int32),
-        ("expert_ids", routes, -1, sampler_lib.EXPERT_ID_DTYPE),
-      )
-      if all(shape) and shape
-    }
-    out_len = np.zeros(len(prompts) * G, np.int32)
+    # Host bookkeeping. Slots: global ids, group * slots per group + local slot.
+    self.slot_row = np.full(S, -1)  # the row a slot holds
+    self.length = np.zeros(S, np.int64)  # cache slots filled, as last read
+    self.slot_end = np.zeros(S, np.int64)  # cache slots the slot may ever fill
+    self.order = np.zeros(S, np.int64)  # admission order: the latest are preempted first
+    self.ahead = np.zeros(S, np.int64)  # chunks dispatched since its flags were last read
+    self.row_step = np.zeros(self.num_rows, np.int32)  # tokens drawn, as last read
+    self.finished = np.zeros(self.num_rows, bool)
+    self.pending: collections.deque[_Unit] = collections.deque()
+    per_unit = min(G, engine.per_group)  # a prompt's samples in parts that fit a group
+    for prompt in range(len(prompts)):
+      for first in range(0, G, per_unit):
+        self.pending.append(_Unit(prompt, list(range(first, min(G, first + per_unit)))))
+    self.waiting: set[int] = set()  # preempted rows whose last chunk is not read yet
+    self.counters: collections.Counter = collections.Counter()
+    self.sizes: set[int] = set()
+    self.peak_pages = 0
+    self.host_wait = 0.0
 
-    pages = _GroupPages(R, num_pages, S, max_pages, P // ps, ps)
-    active = np.zeros(S, bool)  # global slot ids: group * slots per group + local slot
-    done = np.ones(S, bool)  # the device's done flags as of the last chunk (no host syncs)
-    length = np.zeros(S, np.int32)  # cache slots filled
-    slot_end = np.zeros(S, np.int64)  # cache slots a slot may ever fill
-    slot_row = np.full(S, -1)  # the output row a slot generates
-    slot_order = np.zeros(S, np.int64)  # admission order: the latest are preempted first
-    pending = collections.deque((i, list(range(G))) for i in range(len(prompts)))
-    counters = collections.Counter()
-    peak_pages = 0
-    chunk_end = lambda slot: min(int(length[slot]) + e.chunk, int(slot_end[slot]))  # may write
-    # A new row's own pages for its first chunk (after its prompt's shared ones).
-    first = lambda end: -(-min(end + e.chunk, end + N - 1) // ps) - end // ps
-    group_slots = lambda r: range(r * self.per_group, (r + 1) * self.per_group)
-    flat = lambda x: np.asarray(x).reshape(S, *np.shape(x)[2:])  # [R, S/R, ...] -> [S, ...]
+  # -- the loop ------------------------------------------------------------------------------
 
-    def release(slot: int) -> None:
-      pages.release(slot)
-      active[slot], slot_row[slot] = False, -1
+  def run(self) -> sampler_lib.SampleOutput:
+    inflight = None
+    while self.pending or self.waiting or (self.slot_row >= 0).any() or inflight is not None:
+      self.admit()
+      chunk = self.decode() if (self.slot_row >= 0).any() else None
+      if inflight is not None:
+        self.collect(inflight)  # the device runs `chunk` meanwhile
+      elif chunk is None and self.pending:
+        raise RuntimeError("continuous engine: pending prompts but nothing admitted or running")
+      inflight = chunk
+    out = sharding.to_host(self.outputs)
+    lengths = self.row_step.astype(np.int32)
+    mask = np.arange(self.N)[None] < lengths[:, None]
+    return sampler_lib.SampleOutput(mask=mask, lengths=lengths, **out)
 
-    while pending or active.any():
-      # 1. Admit pending prompts into free slots, each prompt prefilled once for its rows in one
-      # group, keeping the pages the running rows' next chunk needs (admitting into them would
-      # only preempt them). Each prompt goes to the group with the most free slots.
-      free_slots = [[s for s in group_slots(r) if not active[s]] for r in range(R)]
-      budget = [
-        pages.free(r)
-        - sum(pages.wanted(s, chunk_end(s)) for s in group_slots(r) if active[s] and not done[s])
-        for r in range(R)
-      ]
-      units, admitted = [], [0] * R
-      while pending:
-        prompt, samples = pending[0]
-        end = int(ends[prompt])
-        need = end // ps + len(samples) * first(end)
-        fits = [
-          r for r in range(R)
-          if len(samples) <= len(free_slots[r]) and need <= budget[r]
-          and admitted[r] < e.prefill_rows
-        ]  # fmt: skip
-        if not fits:
-          break
-        r = max(fits, key=lambda r: (len(free_slots[r]), -r))
-        pending.popleft()
-        budget[r] -= need
-        admitted[r] += 1
-        units.append((prompt, samples, [int(free_slots[r].pop(0)) for _ in samples]))
+  def stats(self) -> dict[str, float]:
+    """The call's counters: admitted prompts and prefill calls, decode calls and steps,
+    row_steps (tokens decoded) against batch_steps (rows computed, live or not: busy_share is
+    their ratio), the batch sizes used, preempted rows, pages (peak and pool) and the host's
+    wait for each chunk's flags."""
+    c = self.counters
+    return dict(
+      c,
+      busy_share=c["row_steps"] / max(1, c["batch_steps"]),
+      batch_sizes=sorted(self.sizes),
+      num_pages=self.num_pages * self.R,
+      peak_pages=self.peak_pages,
+      pool_bytes=self.R * paged.pool_bytes(self.model_cfg, self.num_pages, self.ps),
+      prompt_len=self.P,
+      host_wait_s=self.host_wait,
+      host_wait_per_chunk_s=self.host_wait / max(1, c["decode_calls"]),
+    )
+
+  # -- admit ---------------------------------------------------------------------------------
+
+  def _reach(self, slot: int) -> int:
+    """Cache slots [0, reach) the slot may have written by the end of the next chunk: its
+    length as last read plus a chunk for each one dispatched since and the next."""
+    reach = self.length[slot] + self.cfg.chunk * (1 + self.ahead[slot])
+    return int(min(reach, self.slot_end[slot]))
+
+  def _group_slots(self, r: int) -> range:
+    return range(r * self.per_group, (r + 1) * self.per_group)
+
+  def _unit_shape(self, unit: _Unit) -> tuple[int, int]:
+    """(end, first): a unit's prefilled cache slots (its last + 1) and the pages each of its
+    rows takes for its first chunks beyond the shared ones."""
+    ps, chunk = self.ps, self.cfg.chunk
+    if unit.resume:
+      end = len(self.prompts[unit.prompt]) + unit.drawn
+    else:
+      end = int(self.ends[unit.prompt])
+    row = unit.prompt * self.G + unit.samples[0]
+    last = end + int(self.limits[row]) - unit.drawn - 1
+    first = _pages(min(end + 2 * chunk, last), ps) - end // ps
+    return end, max(first, int(end % ps > 0))
+
+  def admit(self) -> None:
+    """Prefills pending units into free slots, keeping the pages the running rows' next chunks
+    need (admitting into them would only preempt them). A unit goes to the group with the most
+    free slots; new prompts and resumed rows are prefilled in separate calls."""
+    R = self.R
+    running = [[s for s in self._group_slots(r) if self.slot_row[s] >= 0] for r in range(R)]
+    free_slots = [[s for s in self._group_slots(r) if self.slot_row[s] < 0] for r in range(R)]
+    budget = [
+      self.pages.free(r) - sum(self.pages.wanted(s, self._reach(s)) for s in running[r])
+      for r in range(R)
+    ]
+    admitted = {False: [], True: []}
+    count = [0] * R
+    idle = not any(running)
+    while self.pending:
+      unit = self.pending[0]
+      end, first = self._unit_shape(unit)
+      need = end // self.ps + len(unit.samples) * first
+      fits = [
+        r for r in range(R)
+        if len(unit.samples) <= len(free_slots[r]) and need <= budget[r]
+        and count[r] < self.cfg.prefill_rows
+      ]  # fmt: skip
+      if not fits:
+        if idle and not any(admitted.values()) and len(unit.samples) > 1:
+          # Nothing runs and a whole unit does not fit the pool: admit its samples in halves.
+          half = len(unit.samples) // 2
+          self.pending.popleft()
+          self.pending.extendleft([
+            dataclasses.replace(unit, samples=unit.samples[half:]),
+            dataclasses.replace(unit, samples=unit.samples[:half]),
+          ])  # fmt: skip
+          continue
+        break
+      r = max(fits, key=lambda r: (len(free_slots[r]), -r))
+      self.pending.popleft()
+      budget[r] -= need
+      count[r] += 1
+      slots = [int(free_slots[r].pop(0)) for _ in unit.samples]
+      admitted[unit.resume].append((unit, slots))
+    for resume, units in admitted.items():
       if units:
-        state = self._admit_units(
-          params, state, units, pages, tokens, mask, key_data, limits, G, ends
-        )
-        for prompt, samples, slots in units:
-          for sample, slot in zip(samples, slots, strict=True):
-            active[slot], done[slot], length[slot] = True, False, ends[prompt]
-            slot_end[slot] = ends[prompt] + N - 1
-            slot_row[slot], slot_order[slot] = prompt * G + sample, counters["admitted"]
-            counters["admitted"] += 1
-        counters["prefill_calls"] += 1
-        counters["prefilled_prompts"] += len(units)
+        self._prefill(units, resume)
 
-      # 2. Pages for the next chunk; in each group, preempt its latest-admitted rows when its
-      # pool runs short (they are regenerated from the start: the same response, by batch
-      # invariance).
-      for r in range(R):
-        running = [s for s in group_slots(r) if active[s] and not done[s]]
-        while sum(pages.wanted(s, chunk_end(s)) for s in running) > pages.free(r):
-          victim = max(running, key=lambda s: slot_order[s])
-          row = int(slot_row[victim])
-          pending.appendleft((row // G, [row % G]))
-          release(victim)
-          running.remove(victim)
-          counters["preempted"] += 1
-        for s in running:
-          pages.grow(s, chunk_end(s))
-      peak_pages = max(peak_pages, pages.in_use)
-
-      # 3. Decode a chunk, then collect the rows that stopped.
-      table, live = self._put((pages.table, active.reshape(R, -1)))
-      state, steps = _decode(
-        self.graphdef, sp, e.chunk, self._spread, impl, params, state, table, live
-      )
-      done, filled, steps = sharding.to_host((state.done, state.length, steps))
-      done, length[:] = flat(done).copy(), flat(filled)
-      counters["decode_calls"] += 1
-      counters["decode_steps"] += int(np.max(steps))
-      finished = np.flatnonzero(active & done)
-      if finished.size:
-        # Whole [S, N] buffers: a gather of the finished rows would compile per count.
-        toks, lps, ents, steps, ext = jax.tree.map(flat, sharding.to_host(
-          (state.tokens, state.logprobs, state.entropy, state.step,
-           {k: getattr(state, k) for k in extras})
-        ))  # fmt: skip
-        rows = slot_row[finished]
-        out_tokens[rows], out_logprobs[rows] = toks[finished], lps[finished]
-        out_entropy[rows], out_len[rows] = ents[finished], steps[finished]
-        for k, buf in extras.items():
-          buf[rows] = ext[k][finished]
-        for s in finished:
-          release(int(s))
-
-    counters.pop("admitted", None)
-    self.stats = dict(
-      counters,
-      num_pages=num_pages * R,
-      peak_pages=peak_pages,
-      pool_bytes=R * paged.pool_bytes(model_cfg, num_pages, ps),
-      prompt_len=P,
+  def _prefill(self, units: list[tuple[_Unit, list[int]]], resume: bool) -> None:
+    """One prefill call for `units` (each with its slots, in one group), each group's padded to
+    the same power of two of prompts (dummy prompts write to the trash page and start no
+    slot)."""
+    R, G, ps, sp = self.R, self.G, self.ps, self.sp
+    by_group = [[(u, s) for u, s in units if self.pages.group(s[0]) == r] for r in range(R)]
+    m = _pow2(max(map(len, by_group)))
+    width = 1 if resume else min(G, self.per_group)
+    shifted = self.shifted or resume
+    if resume:  # prompt + response so far, in a power of two of pages
+      tokens = {id(u): self.prompts[u.prompt] + self._drawn(u) for u, _ in units}
+      P = ps * _pow2(max(_pages(len(t), ps) for t in tokens.values()))
+    else:
+      P = self.P
+    p_tok = np.full((R, m, P), sp.pad_id, np.int32)
+    p_mask = np.zeros((R, m, P), bool)
+    p_mask[..., -1] = True  # dummy prompts: one real token
+    p_pages = np.full((R, m, P // ps), paged.TRASH_PAGE, np.int32)
+    slot_ids = np.full((R, m, width), self.per_group, np.int32)  # out of range: dropped
+    rows = np.full((R, m, width), self.num_rows, np.int32)  # out of range: dropped
+    row_keys = np.zeros((R, m, width, *self.key_data.shape[1:]), self.key_data.dtype)
+    limits = np.ones((R, m, width), np.int32)
+    first_step = np.zeros((R, m, width), np.int32)
+    p_tail = np.full((R, m, width), paged.TRASH_PAGE, np.int32)
+    for r, group_units in enumerate(by_group):
+      for u, (unit, slots) in enumerate(group_units):
+        if resume:
+          t = tokens[id(unit)]
+          p_tok[r, u, P - len(t) :], p_mask[r, u] = t, np.arange(P) >= P - len(t)
+          end = len(t)
+        else:
+          p_tok[r, u], p_mask[r, u] = self.tokens[unit.prompt], self.mask[unit.prompt]
+          end = int(self.ends[unit.prompt])
+        p_pages[r, u, : end // ps] = self.pages.take_prompt(slots, end // ps)
+        unit_rows = [unit.prompt * G + j for j in unit.samples]
+        for j, (slot, row) in enumerate(zip(slots, unit_rows, strict=True)):
+          if shifted and end % ps:
+            self.pages.grow(slot, end)
+            p_tail[r, u, j] = self.pages.page(slot, end // ps)
+          self.slot_row[slot], self.length[slot], self.ahead[slot] = row, end, 0
+          self.slot_end[slot] = end + int(self.limits[row]) - unit.drawn - 1
+          self.order[slot] = self.counters["admitted_rows"]
+          self.counters["admitted_rows"] += 1
+        k = len(slots)
+        slot_ids[r, u, :k] = [s % self.per_group for s in slots]
+        rows[r, u, :k] = unit_rows
+        row_keys[r, u, :k] = self.key_data[unit_rows]
+        limits[r, u, :k] = self.limits[unit_rows]
+        first_step[r, u, :k] = unit.drawn
+    inputs = self.engine._put((p_tok, p_mask, p_pages, slot_ids, row_keys, limits, p_tail,
+                               first_step))  # fmt: skip
+    e = self.engine
+    self.state, records, cols = _admit(
+      e.graphdef, sp, e._spread, shifted, self.params, self.state, *inputs
     )
-    out_mask = np.arange(N)[None] < out_len[:, None]
-    return sampler_lib.SampleOutput(
-      tokens=out_tokens,
-      logprobs=np.where(out_mask, out_logprobs, 0.0).astype(np.float32),
-      mask=out_mask,
-      lengths=out_len,
-      entropy=np.where(out_mask, out_entropy, 0.0).astype(np.float32),
-      **extras,
-    )
+    self.outputs = _write(self.outputs, records, e._put(rows.reshape(R, -1)), cols, e._whole)
+    self.counters["prefill_calls"] += 1
+    self.counters["resumed_rows" if resume else "prefilled_prompts"] += len(units)
+
+  def _drawn(self, unit: _Unit) -> list[int]:
+    """The tokens a preempted row has drawn (fetched from the output rows on the device)."""
+    row = unit.prompt * self.G + unit.samples[0]
+    got = np.asarray(sharding.to_host(self.outputs["tokens"][row, : unit.drawn]))
+    return [int(t) for t in got]
+
+  # -- reserve or preempt, decode ------------------------------------------------------------
+
+  def decode(self) -> _Chunk:
+    """Reserves each running row's pages for the next chunk, preempting the latest-admitted rows
+    of a group whose pool runs short, then dispatches the chunk on the running rows."""
+    R, e = self.R, self.engine
+    running = []
+    for r in range(R):
+      group = [s for s in self._group_slots(r) if self.slot_row[s] >= 0]
+      while sum(self.pages.wanted(s, self._reach(s)) for s in group) > self.pages.free(r):
+        victim = max(group, key=lambda s: self.order[s])
+        self._preempt(victim)
+        group.remove(victim)
+      for s in group:
+        self.pages.grow(s, self._reach(s))
+      running.append(group)
+    self.peak_pages = max(self.peak_pages, self.pages.in_use)
+    B = min(_pow2(max(map(len, running))), self.per_group)
+    slots = np.full((R, B), self.per_group, np.int32)  # out of range: no row
+    table = np.full((R, B, self.max_pages), paged.TRASH_PAGE, np.int32)
+    rows = np.full((R, B), self.num_rows, np.int32)
+    for r, group in enumerate(running):
+      for b, s in enumerate(group):
+        slots[r, b], rows[r, b] = s % self.per_group, self.slot_row[s]
+        table[r, b] = self.pages.rows(s)
+    ran = np.asarray([s for group in running for s in group], np.int64)
+    self.ahead[ran] += 1
+    self.sizes.add(B)
+    block = paged.gather_block_pages(self.ps)
+    self.state, records, cols, flags = _decode(
+      e.graphdef, self.sp, self.cfg.chunk, e._spread, self.impl, e.unroll, block, self.params,
+      self.state, *e._put((slots, table)),
+    )  # fmt: skip
+    self.outputs = _write(self.outputs, records, e._put(rows), cols, e._whole)
+    self.counters["decode_calls"] += 1
+    return _Chunk(flags=flags, slots=ran, rows=self.slot_row[ran].copy(), batch=B * R)
+
+  def _preempt(self, slot: int) -> None:
+    """Frees a running row's slot and pages; it is admitted again once its progress is read."""
+    row = int(self.slot_row[slot])
+    self.pages.release(slot)
+    self.slot_row[slot] = -1
+    self.waiting.add(row)
+    self.counters["preempted"] += 1
+
+  # -- collect -------------------------------------------------------------------------------
+
+  def collect(self, chunk: _Chunk) -> None:
+    """Reads a chunk's flags: releases the rows that finished, queues the preempted rows it
+    last ran (at the front, with the tokens they drew) and counts its steps."""
+    t0 = time.perf_counter()
+    done, step, length = (
+      np.asarray(x).reshape(-1) for x in sharding.to_host(chunk.flags)
+    )  # [S] each
+    self.host_wait += time.perf_counter() - t0
+    slots, rows = chunk.slots, chunk.rows
+    drawn = step[slots] - self.row_step[rows]
+    self.counters["row_steps"] += int(drawn.sum())
+    taken = int(drawn.max(initial=0))
+    self.counters["decode_steps"] += taken
+    self.counters["batch_steps"] += taken * chunk.batch
+    self.row_step[rows] = step[slots]
+    resumed = []
+    for s, row, is_done in zip(slots, rows, done[slots], strict=True):
+      here = self.slot_row[s] == row
+      if here:
+        self.length[s], self.ahead[s] = length[s], self.ahead[s] - 1
+      if is_done:
+        self.finished[row] = True
+        if here:
+          self.pages.release(int(s))
+          self.slot_row[s] = -1
+        self.waiting.discard(int(row))
+      elif row in self.waiting:
+        self.waiting.discard(int(row))
+        resumed.append(_Unit(int(row) // self.G, [int(row) % self.G], True, int(step[s])))
+    self.pending.extendleft(reversed(resumed))
 
 
-def _model_cfg(graphdef: nnx.GraphDef, params: nnx.State):
-  return nnx.merge(graphdef, params).cfg
+def _in_compute_dtype_impl(params: nnx.State, dtype) -> nnx.State:
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -516,8 +677,7 @@ def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
   """The floating parameters cast to the compute dtype once per call: each decode step then
   reads 16-bit weights instead of casting float32 ones again (every use casts them to this
   dtype anyway, so the results are the same)."""
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, params)
+  return _in_compute_dtype_impl(params, dtype)
 
 
 def _spread_over(spread, tree):
@@ -525,11 +685,10 @@ def _spread_over(spread, tree):
   return tree if spread is None else jax.lax.with_sharding_constraint(tree, spread)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _init_state(cfg, R, S, num_pages, page_size, key_shape, spread) -> SlotState:
   """R groups' empty states, S slots and a pool of num_pages pages each, stacked."""
   zi = jnp.zeros((S,), jnp.int32)
-  N, K, W, pad_id = sp.max_new_tokens, sp.num_topk, sp.kept_width, sp.pad_id
   one = SlotState(
     pool=paged.init_pool(cfg, num_pages, page_size),
     last_token=zi,
@@ -540,117 +699,50 @@ def _init_state(cfg, R, S, num_pages, page_size, key_shape, sp, spread) -> SlotS
     limit=zi,
     done=jnp.ones((S,), bool),
     keys=jnp.zeros((S, *key_shape), jnp.uint32),
-    tokens=jnp.full((S, N), pad_id, jnp.int32),
-    logprobs=jnp.zeros((S, N), jnp.float32),
-    entropy=jnp.zeros((S, N), jnp.float32),
-    topk_logprobs=jnp.full((S, N, K), -jnp.inf, jnp.float32) if K else None,
-    topk_ids=jnp.full((S, N, K), pad_id, jnp.int32) if K else None,
-    kept_ids=jnp.full((S, N, W), -1, jnp.int32) if W else None,
-    expert_ids=(
-      jnp.full((S, N, cfg.num_layers, cfg.num_experts_per_tok), -1, sampler_lib.EXPERT_ID_DTYPE)
-      if sp.record_experts
-      else None
-    ),
   )
   return _spread_over(spread, jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), one))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _admit(graphdef, sp, spread, impl, params, state, *inputs) -> SlotState:
-  """`_admit_group` in every group at once (inputs with a leading group axis)."""
-  admit = lambda state, *inputs: _admit_group(graphdef, sp, impl, params, state, *inputs)
-  with model_lib.experts_under_vmap():
-    return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+def _record_fields(cfg, sp) -> list[tuple[str, tuple[int, ...], float, jnp.dtype]]:
+  """(name, shape per token, padding, dtype) of what a rollout records per response token
+  (`sampler.token_records`'s fields)."""
+  fields = [
+    ("tokens", (), sp.pad_id, jnp.int32),
+    ("logprobs", (), 0.0, jnp.float32),
+    ("entropy", (), 0.0, jnp.float32),
+  ]
+  if sp.num_topk:
+    fields.append(("topk_logprobs", (sp.num_topk,), -jnp.inf, jnp.float32))
+    fields.append(("topk_ids", (sp.num_topk,), sp.pad_id, jnp.int32))
+  if sp.kept_width:
+    fields.append(("kept_ids", (sp.kept_width,), -1, jnp.int32))
+  if sp.record_experts:
+    routes = (cfg.num_layers, cfg.num_experts_per_tok)
+    fields.append(("expert_ids", routes, -1, sampler_lib.EXPERT_ID_DTYPE))
+  return fields
 
 
-def _admit_group(
-  graphdef, sp, impl, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys, limits, p_tail
-) -> SlotState:
-  """Prefills m prompts into one group's pages and starts their rows (slot_ids [m, G],
-  out-of-range ids dropped): the first token of each row drawn from the prompt's last logits.
-  impl "pallas": the pallas layout (`paged`), each row's first own page in p_tail [m, G]."""
-  model = nnx.merge(graphdef, params)
-  m, P = p_tok.shape
-  G = slot_ids.shape[1]
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_outputs(cfg, sp, rows, whole) -> dict[str, jax.Array]:
+  """The rollout's output rows on the device, by `SampleOutput` field, filled with its padding."""
   N = sp.max_new_tokens
-  positions = model_lib.positions_from_mask(p_mask)
-  cache = model_lib.init_cache(model.cfg, m, P)
-  out = model(
-    p_tok, positions, attn_mask=p_mask, cache=cache, cache_index=jnp.int32(0),
-    with_routing=sp.record_experts,
-  )  # fmt: skip
-  hidden, cache = out[:2]
-  # The experts of each row's last prompt token: what drew its first response token.
-  route = jnp.repeat(out[2].expert_ids[:, -1], G, axis=0) if sp.record_experts else None
-  logits = jnp.repeat(model.logits(hidden[:, -1]).astype(jnp.float32), G, axis=0)  # [m G, V]
-  pad = P - jnp.sum(p_mask, axis=1, dtype=jnp.int32)  # [m]
-  if impl == "pallas":  # each prompt moved to slot 0
-    pool = paged.write_prefill(state.pool, cache, p_pages, shift=pad, tail=p_tail)
-    start, length = jnp.zeros_like(pad), P - pad
-  else:
-    pool = paged.write_prefill(state.pool, cache, p_pages)
-    start, length = pad, jnp.full_like(pad, P)
-  key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
-  keys = jax.random.wrap_key_data(key_data)
-  token, logprob, topk, kept, entropy = sampler_lib._sample_token(
-    logits, sampler_lib.step_keys(keys, 0), sp
-  )
-  slots = slot_ids.reshape(-1)
-  rep = lambda x: jnp.repeat(x, G, axis=0)
-  stop = jnp.isin(token, jnp.asarray(sp.stop_ids, jnp.int32)) if sp.stop_ids else False
-  first = lambda x, fill: jnp.full((m * G, N, *x.shape[1:]), fill, x.dtype).at[:, 0].set(x)
-  put = lambda buf, val: buf.at[slots].set(val.astype(buf.dtype), mode="drop")
-  return state.replace(
-    pool=pool,
-    last_token=put(state.last_token, token),
-    position=put(state.position, rep(positions[:, -1] + 1)),
-    length=put(state.length, rep(length)),
-    start=put(state.start, rep(start)),
-    step=put(state.step, jnp.ones((m * G,), jnp.int32)),
-    limit=put(state.limit, limits.reshape(-1)),
-    done=put(state.done, stop | (limits.reshape(-1) <= 1)),
-    keys=put(state.keys, key_data),
-    tokens=put(state.tokens, first(token, sp.pad_id)),
-    logprobs=put(state.logprobs, first(logprob, 0.0)),
-    entropy=put(state.entropy, first(entropy, 0.0)),
-    **_records(state, topk, kept, lambda buf, val, fill: put(buf, first(val, fill)), sp, route),
-  )
+  out = {
+    name: jnp.full((rows, N, *shape), fill, dtype)
+    for name, shape, fill, dtype in _record_fields(cfg, sp)
+  }
+  return out if whole is None else jax.lax.with_sharding_constraint(out, whole)
 
 
-def _records(state: SlotState, topk, kept, write, sp, route=None) -> dict:
-  """The top-K, kept-set and experts buffers with a step's values written by
-  `write(buf, val, fill)` (none where the setting records none)."""
-  out = {}
-  if route is not None:
-    out["expert_ids"] = write(state.expert_ids, route, -1)
-  if topk is not None:
-    out["topk_logprobs"] = write(state.topk_logprobs, topk[0], -jnp.inf)
-    out["topk_ids"] = write(state.topk_ids, topk[1], sp.pad_id)
-  if kept is not None:
-    out["kept_ids"] = write(state.kept_ids, kept, -1)
-  return out
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
-def _decode(graphdef, sp, chunk, spread, impl, params, state, page_table, active):
-  """`_decode_group` in every group at once (a leading group axis): (state, steps [R])."""
-  decode = lambda state, table, active: _decode_group(
-    graphdef, sp, chunk, impl, params, state, table, active
-  )
-  with model_lib.experts_under_vmap():
-    if impl == "pallas":
-      R = state.done.shape[0]
-      if R == 1:  # one group: called on it directly
-        out = decode(*jax.tree.map(lambda x: x[0], (state, page_table, active)))
-        return _spread_over(spread, jax.tree.map(lambda x: x[None], out))
-      # Several groups over the batch shards: the kernel runs per shard (`paged.pallas_attention`).
-      axes = _group_axes(spread)
-      decode = lambda state, table, active: _decode_group(
-        graphdef, sp, chunk, impl, params, state, table, active, shards=(spread.mesh, axes)
-      )
-      out = jax.vmap(decode, spmd_axis_name=axes)(state, page_table, active)
-      return _spread_over(spread, out)
-    return _spread_over(spread, jax.vmap(decode)(state, page_table, active))
+@functools.partial(jax.jit, static_argnums=(4,), donate_argnums=(0,))
+def _write(outputs, records, rows, cols, whole) -> dict[str, jax.Array]:
+  """The output rows with records [R, B, T, ...] written at rows [R, B] (out of range: none) and
+  response indices cols [R, B, T] (out of range: not written)."""
+  at = (rows[..., None], cols)
+  out = {
+    name: buf.at[at].set(records[name].astype(buf.dtype), mode="drop")
+    for name, buf in outputs.items()
+  }
+  return out if whole is None else jax.lax.with_sharding_constraint(out, whole)
 
 
 def _group_axes(spread: jax.sharding.NamedSharding | None) -> tuple[str, ...]:
@@ -661,48 +753,142 @@ def _group_axes(spread: jax.sharding.NamedSharding | None) -> tuple[str, ...]:
   return (first,) if isinstance(first, str) else tuple(first)
 
 
-def _decode_group(graphdef, sp, chunk, impl, params, state, page_table, active, shards=None):
-  """Up to `chunk` decode steps of every live slot of one group (active and not done); also
-  returns the steps taken. shards: `paged.decode_step`'s."""
-  S, N = state.tokens.shape
-  rows = jnp.arange(S)
-  stop_ids = jnp.asarray(sp.stop_ids, jnp.int32)
+def _over_groups(fn, spread, impl, *args):
+  """fn(*args) in every group at once (args with a leading group axis). The Pallas kernel on
+  several groups runs per shard (`paged.pallas_attention`): then fn gets shards=(mesh, axes)."""
+  with model_lib.experts_under_vmap():
+    R = jax.tree.leaves(args)[0].shape[0]
+    if impl == "pallas" and R > 1:
+      axes = _group_axes(spread)
+      run = functools.partial(fn, shards=(spread.mesh, axes))
+      return _spread_over(spread, jax.vmap(run, spmd_axis_name=axes)(*args))
+    if impl == "pallas":  # one group: called on it directly
+      out = fn(*jax.tree.map(lambda x: x[0], args))
+      return jax.tree.map(lambda x: x[None], out)
+    return _spread_over(spread, jax.vmap(fn)(*args))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _admit(graphdef, sp, spread, shifted, params, state, *inputs):
+  """`_admit_group` in every group at once (inputs with a leading group axis): (state, records
+  [R, m G, 1, ...], cols [R, m G, 1])."""
+  admit = lambda state, *inputs, shards=None: _admit_group(
+    graphdef, sp, shifted, params, state, *inputs
+  )
+  with model_lib.experts_under_vmap():
+    return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+
+
+def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys,
+                 limits, p_tail, first_step):  # fmt: skip
+  """Prefills m prompts [m, P] into one group's pages and starts their rows (slot_ids [m, G],
+  out-of-range ids dropped): each row's token `first_step` drawn from its prompt's last logits.
+  shifted: the shifted layout (`paged`), each row's first own page in p_tail [m, G]."""
+  model = nnx.merge(graphdef, params)
+  m, P = p_tok.shape
+  G = slot_ids.shape[1]
+  N = sp.max_new_tokens
+  positions = model_lib.positions_from_mask(p_mask)
+  cache, logits, route = sampler_lib.prefill_prompts(
+    model, p_tok, p_mask, positions, sp.record_experts
+  )
+  rep = lambda x: jnp.repeat(x, G, axis=0)  # per prompt -> per row [m G]
+  pad = P - jnp.sum(p_mask, axis=1, dtype=jnp.int32)  # [m]
+  if shifted:  # each prompt moved to slot 0
+    pool = paged.write_prefill(state.pool, cache, p_pages, shift=pad, tail=p_tail)
+    start, length = jnp.zeros_like(pad), P - pad
+  else:
+    pool = paged.write_prefill(state.pool, cache, p_pages)
+    start, length = pad, jnp.full_like(pad, P)
+  key_data = row_keys.reshape(m * G, *row_keys.shape[2:])
+  step = first_step.reshape(-1)
+  token, logprob, topk, kept, entropy = sampler_lib._sample_token(
+    rep(logits), sampler_lib.step_keys(jax.random.wrap_key_data(key_data), step), sp
+  )
+  slots = slot_ids.reshape(-1)
+  valid = slots < state.done.shape[0]
+  values = sampler_lib.token_records(
+    token, logprob, topk, kept, entropy, valid, sp, None if route is None else rep(route)
+  )
+  limit = limits.reshape(-1)
+  put = lambda buf, val: buf.at[slots].set(val.astype(buf.dtype), mode="drop")
+  state = state.replace(
+    pool=pool,
+    last_token=put(state.last_token, token),
+    position=put(state.position, rep(positions[:, -1] + 1)),
+    length=put(state.length, rep(length)),
+    start=put(state.start, rep(start)),
+    step=put(state.step, step + 1),
+    limit=put(state.limit, limit),
+    done=put(state.done, sampler_lib.stops(token, step, limit, sp)),
+    keys=put(state.keys, key_data),
+  )
+  records = {name: val[:, None] for name, val in values.items()}
+  return state, records, jnp.where(valid, step, N)[:, None]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnums=(8,))
+def _decode(graphdef, sp, chunk, spread, impl, unroll, block, params, state, slots, table):
+  """`_decode_group` in every group at once (a leading group axis): (state, records
+  [R, B, chunk, ...], cols [R, B, chunk], flags int32 [3, R, S]: done, step and length)."""
+  del block  # part of the key: `paged.gather_block_pages` reads it from the page size
+  weights = paged.decode_weights(graphdef, params, unroll)
+  cfg = nnx.merge(graphdef, params).cfg
+  decode = lambda state, slots, table, shards=None: _decode_group(
+    cfg, sp, chunk, impl, weights, state, slots, table, shards
+  )
+  state, records, cols = _over_groups(decode, spread, impl, state, slots, table)
+  flags = jnp.stack([state.done.astype(jnp.int32), state.step, state.length])
+  return state, records, cols, flags
+
+
+def _decode_group(cfg, sp, chunk, impl, weights, state, slots, table, shards=None):
+  """Up to `chunk` decode steps of one group's running rows, gathered from their slots (slots
+  [B]: out-of-range ids are no row) into a batch of B, then written back. Returns (state,
+  records [B, chunk, ...] of the steps' tokens, cols [B, chunk]: the response index each
+  record is of, N where the row did not step)."""
+  S, N, B = state.done.shape[0], sp.max_new_tokens, slots.shape[0]
+  valid = slots < S
+  rows = {name: getattr(state, name)[jnp.minimum(slots, S - 1)] for name in _ROW_FIELDS}
+  rows["done"] = rows["done"] | ~valid
+  keys = jax.random.wrap_key_data(rows["keys"])
+  records = {
+    name: jnp.full((B, chunk, *shape), fill, dtype)
+    for name, shape, fill, dtype in _record_fields(cfg, sp)
+  }
+  cols = jnp.full((B, chunk), N, jnp.int32)
 
   def body(carry):
-    i, s = carry
-    live = active & ~s.done
-    out = paged.decode_step(
-      graphdef, params, s.pool, s.last_token, s.position, page_table, s.start, s.length, live,
-      with_routing=sp.record_experts, attention_impl=impl, shards=shards,
+    i, pool, rows, records, cols = carry
+    live = ~rows["done"]
+    logits, pool, route = paged.decode_step(
+      cfg, weights, pool, rows["last_token"], rows["position"], table, rows["start"],
+      rows["length"], live, with_routing=sp.record_experts, attention_impl=impl, shards=shards,
     )  # fmt: skip
-    logits, pool = out[:2]
-    route = out[2] if sp.record_experts else None
-    keys = sampler_lib.step_keys(jax.random.wrap_key_data(s.keys), s.step)
-    token, logprob, topk, kept, entropy = sampler_lib._sample_token(logits, keys, sp)
-    col = jnp.minimum(s.step, N - 1)
-
-    def put(buf, val):
-      keep = live.reshape(-1, *([1] * (val.ndim - 1)))
-      return buf.at[rows, col].set(jnp.where(keep, val.astype(buf.dtype), buf[rows, col]))
-
-    step = s.step + live
-    stopped = jnp.isin(token, stop_ids) if sp.stop_ids else False
-    return i + 1, s.replace(
-      pool=pool,
-      last_token=jnp.where(live, token, s.last_token),
-      position=s.position + live,
-      length=s.length + live,
-      step=step,
-      done=s.done | (live & (stopped | (step >= s.limit))),
-      tokens=put(s.tokens, token),
-      logprobs=put(s.logprobs, logprob),
-      entropy=put(s.entropy, entropy),
-      **_records(s, topk, kept, lambda buf, val, fill: put(buf, val), sp, route),
+    drawn = sampler_lib._sample_token(logits, sampler_lib.step_keys(keys, rows["step"]), sp)
+    values = sampler_lib.token_records(*drawn, live, sp, route)
+    records = {
+      name: jax.lax.dynamic_update_index_in_dim(buf, values[name].astype(buf.dtype), i, 1)
+      for name, buf in records.items()
+    }
+    cols = jax.lax.dynamic_update_index_in_dim(cols, jnp.where(live, rows["step"], N), i, 1)
+    stopped = sampler_lib.stops(values["tokens"], rows["step"], rows["limit"], sp)
+    rows = dict(
+      rows,
+      last_token=jnp.where(live, drawn[0], rows["last_token"]),
+      position=rows["position"] + live,
+      length=rows["length"] + live,
+      step=rows["step"] + live,
+      done=rows["done"] | (live & stopped),
     )
+    return i + 1, pool, rows, records, cols
 
-  cond = lambda carry: (carry[0] < chunk) & jnp.any(active & ~carry[1].done)
-  steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-  return state, steps
+  cond = lambda carry: (carry[0] < chunk) & jnp.any(~carry[2]["done"])
+  _, pool, rows, records, cols = jax.lax.while_loop(
+    cond, body, (jnp.int32(0), state.pool, rows, records, cols)
+  )
+  back = {name: getattr(state, name).at[slots].set(rows[name], mode="drop") for name in _ROW_FIELDS}
+  return state.replace(pool=pool, **back), records, cols
 
 
 def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
@@ -745,7 +931,12 @@ class EngineSampler:
     if sampling not in self._engines:
       self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine, self.mesh)
     engine = self._engines[sampling]
-    G = math.gcd(group_size, engine.per_group)
+    G = group_size
+    if G < 1 or len(tokens) % G:
+      raise ValueError(f"group_size={G} must be >= 1 and divide the batch ({len(tokens)} rows)")
+    runs = (tokens.reshape(-1, G, tokens.shape[1]), mask.reshape(-1, G, mask.shape[1]))
+    if not all((x == x[:, :1]).all() for x in runs):
+      raise ValueError(f"group_size={G}: rows do not come in runs of {G} identical prompts")
     prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
     out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
     self.stats = engine.stats

@@ -145,6 +145,7 @@ def paged_attention(
   scale: float | None = None,
   softcap: float | None = None,
   window: jax.Array | int | None = None,
+  block_pages: int = 1,
 ) -> jax.Array:
   """One query per decode slot over its own pages.
 
@@ -155,7 +156,10 @@ def paged_attention(
   left-padded row. -> [S, 1, H, Dh]. scale, softcap and window (an int, a traced int32 or
   None): `attention.Scores`; with a window, the query also needs j > query_slot - window, and
   each row reads its pages from the one holding its window's first slot: a local layer reads
-  about window / page_size pages per row, however long the row.
+  about window / page_size pages per row, however long the row. block_pages: pages each row
+  reads per loop step (`gather_block_pages`): a loop step has a fixed cost (on CPU, most of a
+  small page's), so larger blocks take fewer steps; pages past a row's last are masked out, so a
+  row's result does not depend on the other rows' lengths.
   """
   S, _, H, Dh = q.shape
   K, ps = pool_k.shape[0], pool_k.shape[3]
@@ -164,18 +168,19 @@ def paged_attention(
   rows = jnp.arange(S)
   start = start if window is None else jnp.maximum(start, query_slot - window + 1)
   first = start // ps  # [S]: each row's first page
-  n_pages = jnp.max(query_slot // ps - first) + 1
+  bp = max(1, min(block_pages, page_table.shape[1]))
+  n_blocks = -(-(jnp.max(query_slot // ps - first) + 1) // bp)
   last_page = page_table.shape[1] - 1
 
   def body(i, carry):
     m, l, acc = carry
-    index = first + i  # [S]: page index of each row (past a row's last one: masked out)
-    page = page_table[rows, jnp.minimum(index, last_page)]  # [S]
-    kb = pool_k[:, layer, page].astype(jnp.float32)  # [K, S, ps, Dh]
-    vb = pool_v[:, layer, page].astype(jnp.float32)
+    index = first[:, None] + i * bp + jnp.arange(bp)[None]  # [S, bp]: past a row's last: masked
+    page = page_table[rows[:, None], jnp.minimum(index, last_page)]  # [S, bp]
+    kb = pool_k[:, layer, page].astype(jnp.float32).reshape(K, S, bp * ps, Dh)
+    vb = pool_v[:, layer, page].astype(jnp.float32).reshape(K, S, bp * ps, Dh)
     s = attention.soft_cap(jnp.einsum("skgd,kspd->skgp", qh, kb), softcap)
-    slot = index[:, None] * ps + jnp.arange(ps)[None]  # [S, ps]
-    ok = (slot >= start[:, None]) & (slot <= query_slot[:, None])  # [S, ps]
+    slot = (index[..., None] * ps + jnp.arange(ps)).reshape(S, bp * ps)
+    ok = (slot >= start[:, None]) & (slot <= query_slot[:, None])  # [S, bp * ps]
     s = jnp.where(ok[:, None, None, :], s, _NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.where(ok[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
@@ -189,7 +194,7 @@ def paged_attention(
     jnp.zeros((S, K, G), jnp.float32),
     jnp.zeros((S, K, G, Dh), jnp.float32),
   )
-  _, l, acc = jax.lax.fori_loop(0, n_pages, body, init)
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
   out = acc / jnp.maximum(l, 1e-30)[..., None]  # every live query sees its own slot: l > 0
   return out.reshape(S, 1, H, Dh).astype(q.dtype)
 
@@ -288,9 +293,52 @@ def resolve_attention(
   return "pallas" if backend == "tpu" and fits and not problems else "gather"
 
 
+# Cache slots the gather path reads per row and loop step (`paged_attention`'s block_pages).
+GATHER_BLOCK_SLOTS = 256
+
+
+def gather_block_pages(page_size: int) -> int:
+  """Pages per loop step of the gather path: GATHER_BLOCK_SLOTS slots' worth, at least one."""
+  return max(1, GATHER_BLOCK_SLOTS // page_size)
+
+
+@flax.struct.dataclass
+class DecodeWeights:
+  """The policy's weights as `decode_step` reads them, made once per rollout (`decode_weights`),
+  in the compute dtype. layers: the decoder layers' weights stacked [num_layers, ...] (scanned
+  over), or a tuple of one dict per layer (unrolled: on CPU a scan's slice of the stacked
+  weights is a copy at every step). head: the output projection as [vocab, hidden]."""
+
+  embed: jax.Array
+  layers: dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]
+  final_norm: jax.Array
+  head: jax.Array
+
+
+def decode_weights(graphdef: nnx.GraphDef, params: nnx.State, unroll: bool) -> DecodeWeights:
+  """The `DecodeWeights` of a policy (call it inside a jit, once per rollout). Every floating
+  weight is cast to the compute dtype here, which each use would do anyway."""
+  model = nnx.merge(graphdef, params)
+  cfg = model.cfg
+  cast = lambda x: x.astype(cfg.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  head, tied = model.unembedding()
+  stacked = jax.tree.map(cast, model.layers.arrays())
+  layers = (
+    tuple({k: a[l] for k, a in stacked.items()} for l in range(cfg.num_layers))
+    if unroll
+    else stacked
+  )
+  return DecodeWeights(
+    embed=cast(model.embed[...]),
+    layers=layers,
+    final_norm=cast(model.final_norm[...]),
+    head=cast(head if tied else head.T),
+  )
+
+
 def decode_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  cfg: ModelConfig,
+  weights: DecodeWeights,
   pool: PagePool,
   tokens: jax.Array,
   positions: jax.Array,
@@ -301,30 +349,27 @@ def decode_step(
   with_routing: bool = False,
   attention_impl: str = "gather",
   shards: tuple[jax.sharding.Mesh, tuple[str, ...]] | None = None,
-) -> tuple[jax.Array, PagePool] | tuple[jax.Array, PagePool, jax.Array]:
+) -> tuple[jax.Array, PagePool, jax.Array | None]:
   """One token per decode slot through the model over the paged cache.
 
   tokens, positions int32 [S]: the token each slot feeds and its position; length int32 [S]: the
   cache slot it is written to (the slot's filled length); live bool [S]: slots that step (the
   others write to the trash page and their logits are to be ignored). Returns (float32 logits
-  [S, vocab], the pool with the new keys and values), and with with_routing (models with
-  experts) the experts each slot's token chose, int32 [S, num_layers, k].
+  [S, vocab], the pool with the new keys and values, and with with_routing (models with
+  experts) the experts each slot's token chose, int32 [S, num_layers, k], else None). The layers
+  run unrolled when weights.layers is a tuple (`DecodeWeights`), else in a scan.
   """
-  model = nnx.merge(graphdef, params)
-  cfg = model.cfg
   ps = pool.page_size
-  S = tokens.shape[0]
-  rows = jnp.arange(S)
+  rows = jnp.arange(tokens.shape[0])
   write_page = jnp.where(live, page_table[rows, length // ps], TRASH_PAGE)
   write_off = jnp.where(live, length % ps, 0)
-  x = model_lib.embed_tokens(cfg, model.embed[...], tokens[:, None])
+  x = model_lib.embed_tokens(cfg, weights.embed, tokens[:, None])
   rope = model_lib.rope_tables(positions[:, None], cfg)
-  scores, flags = model_lib.scores_of(cfg), model_lib.local_flags(cfg)
-  kinds = model_lib.moe_flags(cfg)
+  scores = model_lib.scores_of(cfg)
+  block = gather_block_pages(ps)
 
-  def layer_step(carry, xs):
-    x, pk, pv = carry
-    p, l = xs
+  def layer_step(x, pk, pv, p, l, local, moe):
+    """One decoder layer: its keys and values written at each live slot's cache slot."""
 
     def attend(q, k, v, local):
       nonlocal pk, pv
@@ -333,7 +378,7 @@ def decode_step(
       pv = pv.at[:, l, write_page, write_off].set(new(v))
       gather = lambda window: paged_attention(
         q, pk, pv, l, page_table, start, length, scale=scores.scale, softcap=scores.softcap,
-        window=window,
+        window=window, block_pages=block,
       )  # fmt: skip
       if attention_impl != "pallas":
         return gather(attention.layer_window(scores.window, local))
@@ -348,18 +393,33 @@ def decode_step(
       # A traced flag (the layer scan): a local layer runs gather with the window.
       return jax.lax.cond(local, lambda: gather(scores.window), kernel)
 
-    local = None if flags is None else flags[l]
-    moe = None if kinds is None else kinds[l]
     x, route = model_lib.routed_decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
-    return (x, pk, pv), (route.expert_ids[:, 0] if with_routing else None)
+    return x, pk, pv, (route.expert_ids[:, 0] if with_routing else None)
 
-  layer_ids = jnp.arange(cfg.num_layers)
-  xs = (model.layers.arrays(), layer_ids)
-  (x, pk, pv), routes = jax.lax.scan(layer_step, (x, pool.k, pool.v), xs)
-  hidden = model_lib.norm(cfg, x[:, 0], model.final_norm[...])
-  if with_routing:
-    return model.logits(hidden), PagePool(k=pk, v=pv), jnp.moveaxis(routes, 0, 1)
-  return model.logits(hidden), PagePool(k=pk, v=pv)
+  if isinstance(weights.layers, tuple):  # unrolled: each layer's kind known statically
+    pk, pv, routes = pool.k, pool.v, []
+    for l, p in enumerate(weights.layers):
+      local = (l in cfg.local_layers) if cfg.windowed else None
+      x, pk, pv, route = layer_step(x, pk, pv, p, l, local, cfg.layer_is_moe(l))
+      routes.append(route)
+    routes = jnp.stack(routes, axis=1) if with_routing else None
+  else:
+    flags, kinds = model_lib.local_flags(cfg), model_lib.moe_flags(cfg)
+
+    def scanned(carry, xs):
+      x, pk, pv = carry
+      p, l = xs
+      local = None if flags is None else flags[l]
+      moe = None if kinds is None else kinds[l]
+      x, pk, pv, route = layer_step(x, pk, pv, p, l, local, moe)
+      return (x, pk, pv), route
+
+    xs = (weights.layers, jnp.arange(cfg.num_layers))
+    (x, pk, pv), routes = jax.lax.scan(scanned, (x, pool.k, pool.v), xs)
+    routes = jnp.moveaxis(routes, 0, 1) if with_routing else None
+  hidden = model_lib.norm(cfg, x[:, 0], weights.final_norm)
+  logits = model_lib.final_softcap(cfg, model_lib.head_logits(hidden, weights.head, tied=True))
+  return logits, PagePool(k=pk, v=pv), routes
 
 
 class PageTable:

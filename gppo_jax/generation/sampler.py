@@ -352,40 +352,55 @@ def _sample_token(logits: jax.Array, key: jax.Array, p: SamplingParams):
   return token, logprob, topk, kept_ids, entropy
 
 
+def token_records(token, logprob, topk, kept, entropy, live, p: SamplingParams, route=None):
+  """A step's values per row as `SampleOutput` records them, by field name: the token drawn
+  (`_sample_token`'s outputs), its log-prob and entropy, and what the setting also records
+  (top-K, the kept set, `route`: int [B, L, k], the experts of the step's input token), with
+  the padding of `SampleOutput` in rows not `live`. The fixed-batch sampler and the continuous
+  engine both write these."""
+  out = dict(
+    tokens=jnp.where(live, token, p.pad_id),
+    logprobs=jnp.where(live, logprob, 0.0),
+    entropy=jnp.where(live, entropy, 0.0),
+  )
+  if topk is not None:
+    vals, ids = topk
+    out["topk_logprobs"] = jnp.where(live[:, None], vals, -jnp.inf)
+    out["topk_ids"] = jnp.where(live[:, None], ids, p.pad_id)
+  if kept is not None:
+    out["kept_ids"] = jnp.where(live[:, None], kept, -1)
+  if route is not None:
+    out["expert_ids"] = jnp.where(live[:, None, None], route, -1)
+  return out
+
+
+def stops(token: jax.Array, step: jax.Array, limit: jax.Array | None, p: SamplingParams):
+  """bool [B]: rows whose token `step` (0-based) ends them: a stop token, or their limit."""
+  stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
+  if limit is not None:
+    stopped = stopped | (step + 1 >= limit)
+  return stopped
+
+
 def _record(
   state: SamplerState, token, logprob, topk, kept, entropy, p: SamplingParams, route=None
 ) -> SamplerState:
   """Writes the token drawn for response index `state.step` (and `route`, int [B, L, k], the
   experts of the step's input token) and advances the done flags."""
   live = ~state.done
-  token = jnp.where(live, token, p.pad_id)
+  values = token_records(token, logprob, topk, kept, entropy, live, p, route)
   col = state.step
 
   def put(buf, val):
     return jax.lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), col, axis=1)
 
-  updates = dict(
-    tokens=put(state.tokens, token),
-    logprobs=put(state.logprobs, jnp.where(live, logprob, 0.0)),
-    mask=put(state.mask, live),
-    entropy=put(state.entropy, jnp.where(live, entropy, 0.0)),
-  )
-  if topk is not None:
-    vals, ids = topk
-    updates["topk_logprobs"] = put(state.topk_logprobs, jnp.where(live[:, None], vals, -jnp.inf))
-    updates["topk_ids"] = put(state.topk_ids, jnp.where(live[:, None], ids, p.pad_id))
-  if kept is not None:
-    updates["kept_ids"] = put(state.kept_ids, jnp.where(live[:, None], kept, -1))
-  if route is not None:
-    updates["expert_ids"] = put(state.expert_ids, jnp.where(live[:, None, None], route, -1))
-  stopped = jnp.isin(token, jnp.asarray(p.stop_ids, jnp.int32)) if p.stop_ids else False
-  if state.limit is not None:
-    stopped = stopped | (state.step + 1 >= state.limit)
+  updates = {name: put(getattr(state, name), val) for name, val in values.items()}
   return state.replace(
     step=state.step + 1,
-    last_token=token,
+    last_token=values["tokens"],
     position=state.position + 1,
-    done=state.done | (live & stopped),
+    done=state.done | (live & stops(values["tokens"], state.step, state.limit, p)),
+    mask=put(state.mask, live),
     **updates,
   )
 
@@ -402,14 +417,7 @@ def _prefill(model, tokens, mask, positions, group_size: int, with_routing: bool
     first = lambda x: x.reshape(batch // group_size, group_size, *x.shape[1:])[:, 0]
     tokens, mask, positions = first(tokens), first(mask), first(positions)
   tokens, mask, positions = partitioning.constrain_batch((tokens, mask, positions))
-  cache = model_lib.init_cache(model.cfg, tokens.shape[0], prompt_len)
-  out = model(
-    tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0),
-    with_routing=with_routing,
-  )  # fmt: skip
-  hidden, cache = out[:2]
-  route = out[2].expert_ids[:, -1] if with_routing else None
-  logits = model.logits(hidden[:, -1]).astype(jnp.float32)
+  cache, logits, route = prefill_prompts(model, tokens, mask, positions, with_routing)
   if group_size > 1:
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis, total_repeat_length=batch)
     cache = model_lib.KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), mask=rep(cache.mask, 0))
@@ -418,6 +426,20 @@ def _prefill(model, tokens, mask, positions, group_size: int, with_routing: bool
   if with_routing:
     return cache, logits, route
   return cache, logits
+
+
+def prefill_prompts(model, tokens, mask, positions, with_routing: bool = False):
+  """Runs prompts [M, P] (left-padded) through the model once: (their dense cache of P slots,
+  float32 logits [M, V] of each one's next token, and with_routing the experts of each one's last
+  token, int32 [M, L, k], else None). What both samplers prefill with."""
+  cache = model_lib.init_cache(model.cfg, tokens.shape[0], tokens.shape[1])
+  out = model(
+    tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0),
+    with_routing=with_routing,
+  )  # fmt: skip
+  hidden, cache = out[:2]
+  route = out[2].expert_ids[:, -1] if with_routing else None
+  return cache, model.logits(hidden[:, -1]).astype(jnp.float32), route
 
 
 def phase_ends(prompt_len: int, max_new_tokens: int) -> list[int]:
