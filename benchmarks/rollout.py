@@ -2,11 +2,15 @@
 
 N prompts x G samples on the small Qwen2 shape (random weights, float32). Each row's response
 length is drawn from a lognormal distribution (mean --mean, capped at --new) and forced on both
-paths through `row_limits` (no stop token), so both generate exactly the same tokens:
+paths through `row_limits` (no stop token), so both generate exactly the same tokens. By default
+both sides run as the trainer runs them (`rollout.engine` "fixed" or "continuous" with the
+config's defaults):
 
-- fixed: today's sampler (`sampler.sample_jit`) on consecutive batches of --slots rows (whole
-  groups), each batch decoding until its longest row ends;
-- continuous: `continuous.ContinuousSampler` with --slots decode slots over a paged KV cache.
+- fixed: the fixed-batch sampler (`sampler.sample_jit`) on all rows at once, decoding until the
+  longest row ends (--waves W: in consecutive batches of W rows instead, each until its own
+  longest row ends);
+- continuous: `continuous.ContinuousSampler` with a slot for every row (`rollout.slots=0`; --slots
+  S: S slots), pages of 16 cache slots and the default pool (`rollout.page_size`, `kv_pages`).
 
 Both use the same row keys (`sampler.row_keys`), so they draw the same tokens until a float
 rounding difference between their attention kernels flips a draw (`rows_identical`: the share of
@@ -15,10 +19,13 @@ on the benchmark's shapes first, then runs --repeats times interleaved; medians 
 Its last line is JSON: speedup (fixed wall / continuous wall), kv_ratio (the continuous pool's
 bytes / the fixed batch's cache bytes), kv_used_ratio (peak pages in use instead of the
 pool), useful_tokens_per_s (generated tokens / continuous wall), the figures behind them and the
-engine's counters.
+engine's counters (busy_share: rows decoded / rows computed; batch_sizes: the running batch's
+sizes).
 
-  python benchmarks/rollout.py [--prompts 16 --group 4 --slots 16 --mean 256 --new 1024]
-  python benchmarks/rollout.py --prompts 4 --group 2 --slots 4 --mean 16 --new 64   # seconds
+  python benchmarks/rollout.py [--prompts 16 --group 4 --mean 256 --new 1024]
+  python benchmarks/rollout.py --mean 128 --new 512
+  python benchmarks/rollout.py --waves 16 --slots 16        # 16-row waves against 16 slots
+  python benchmarks/rollout.py --prompts 4 --group 2 --mean 16 --new 64 --shape tiny   # seconds
 """
 
 from __future__ import annotations
@@ -61,12 +68,13 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
-  ap.add_argument("--slots", type=int, default=16, help="decode slots = fixed batch rows")
+  ap.add_argument("--slots", type=int, default=0, help="decode slots (0: one per row)")
+  ap.add_argument("--waves", type=int, default=0, help="fixed batch rows (0: all rows at once)")
   ap.add_argument("--prompt-len", type=int, default=64)
   ap.add_argument("--new", type=int, default=1024, help="max new tokens (the length cap)")
   ap.add_argument("--mean", type=float, default=256.0, help="mean response length")
   ap.add_argument("--sigma", type=float, default=1.0, help="lognormal shape")
-  ap.add_argument("--page-size", type=int, default=64)
+  ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--chunk", type=int, default=32)
   ap.add_argument("--pages", type=int, default=0, help="pool pages (0: the engine's default)")
   ap.add_argument("--repeats", type=int, default=2)
@@ -74,9 +82,11 @@ def main() -> None:
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args()
 
-  S, G, N, P = args.slots, args.group, args.new, args.prompt_len
-  if S % G:
-    raise SystemExit(f"--slots {S} must be a multiple of --group {G} (whole groups per batch)")
+  G, N, P = args.group, args.new, args.prompt_len
+  rows = args.prompts * G
+  S, W = args.slots or rows, args.waves or rows
+  if W % G:
+    raise SystemExit(f"--waves {W} must be a multiple of --group {G} (whole groups per batch)")
   cfg = SMALL_QWEN2 if args.shape == "small" else TINY
   graphdef, params = nnx.split(model_lib.create(cfg, args.seed))
   rng = np.random.default_rng(args.seed)
@@ -99,11 +109,11 @@ def main() -> None:
 
   def fixed(n_rows: int):
     outs = []
-    for b in range(0, n_rows, S):
-      rows = slice(b, b + S)
+    for b in range(0, n_rows, W):
+      part = slice(b, b + W)
       out = sampler.sample_jit(
-        graphdef, params, tokens[rows], mask[rows], keys[rows], sp, group_size=G,
-        row_limits=jnp.asarray(limits[rows]),
+        graphdef, params, tokens[part], mask[part], keys[part], sp, group_size=G,
+        row_limits=jnp.asarray(limits[part]),
       )  # fmt: skip
       outs.append(jax.device_get(out.tokens))
     return np.concatenate(outs)
@@ -118,7 +128,7 @@ def main() -> None:
   # Compile both on the benchmark's shapes (one batch of the fixed path; a few prompts through
   # the engine), then time interleaved repeats.
   t0 = time.perf_counter()
-  fixed(S)
+  fixed(W)
   compile_fixed = time.perf_counter() - t0
   t0 = time.perf_counter()
   engine.warm_up(params, P, G)
@@ -136,7 +146,7 @@ def main() -> None:
       print(f"{name}: {times[name][-1]:.2f} s", flush=True)
   fixed_s, cont_s = (statistics.median(times[k]) for k in ("fixed", "continuous"))
   same = float(np.mean(np.all(results["fixed"] == results["continuous"], axis=1)))
-  fixed_kv = continuous.kv_bytes_fixed(cfg, S, P, N)
+  fixed_kv = continuous.kv_bytes_fixed(cfg, W, P, N)
   st = engine.stats
   page_bytes = st["pool_bytes"] / st["num_pages"]
   report = dict(
@@ -155,6 +165,7 @@ def main() -> None:
     engine={k: v for k, v in st.items() if k != "pool_bytes"},
     shape=args.shape,
     slots=S,
+    fixed_rows=W,
     page_size=args.page_size,
     backend=jax.default_backend(),
   )

@@ -239,7 +239,8 @@ def base(
   # How rollouts and evaluations decode: "fixed" batches, "continuous" batching over a paged KV
   # cache (generation/continuous.py; on a mesh split over the batch shards): `slots` responses
   # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
-  # `kv_pages` pages (0: sized by the engine), `decode_chunk` steps per compiled call.
+  # `kv_pages` pages (0: sized by the engine, or from `kv_memory_gib` GiB when > 0, as serving
+  # engines size theirs), `decode_chunk` steps per compiled call.
   # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
   # `paged_attention`: how its decode steps attend over the pages: "gather" (any backend),
   # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, run per batch shard; local
@@ -248,6 +249,7 @@ def base(
   c.rollout.slots = 0
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
+  c.rollout.kv_memory_gib = 0.0
   c.rollout.decode_chunk = 32
   c.rollout.paged_attention = "auto"
   c.rollout.correction = "none"
@@ -627,6 +629,7 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.slots", Int(0)),
     ("rollout.page_size", Int(1)),
     ("rollout.kv_pages", Int(0)),
+    ("rollout.kv_memory_gib", Range(0)),
     ("rollout.decode_chunk", Int(1)),
     ("rollout.paged_attention", OneOf(paged.ATTENTION)),
     ("rollout.correction", OneOf(correction.CORRECTIONS)),
@@ -764,10 +767,10 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
 
   problems = _field_problems(c)
   r = c.rollout
-  if r.engine != "fixed" and _is_int(r.slots) and 0 < r.slots < r.group_size:
+  if r.get("kv_pages") and r.get("kv_memory_gib"):
     problems.append(
-      f"rollout.slots={r.slots}: must be 0 or at least rollout.group_size={r.group_size} "
-      "(a prompt's samples are admitted together)"
+      f"rollout.kv_pages={r.kv_pages} and rollout.kv_memory_gib={r.kv_memory_gib}: the pool is "
+      "sized by one of them (set the other to 0)"
     )
   if r.get("paged_attention") == "pallas" and c.model.dtype != "bfloat16":
     problems.append(

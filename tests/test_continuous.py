@@ -104,13 +104,15 @@ def test_engine_records_top_k_and_kept_sets_as_the_fixed_sampler(policy, setting
 
 def test_samples_do_not_depend_on_slots_order_or_preemption(policy):
   """The same rollout with three slot counts (one with a pool small enough to preempt rows) and
-  shuffled prompt order: identical tokens, log-probs within 1e-5, every prompt answered G times."""
+  shuffled prompt order: identical tokens, log-probs within 1e-5, every prompt answered G times,
+  through every compaction of the running batch and every preemption."""
   cfg, graphdef, params, prompts = policy
   sp = sampler.SamplingParams(max_new_tokens=N, stop_ids=(1,), pad_id=0)
   key = jax.random.key(11)
   ref = None
   rng = np.random.default_rng(1)
-  preempted = 0
+  preempted = resumed = 0
+  sizes = set()
   for slots, pages in ((3, None), (7, None), (12, 16)):
     order = rng.permutation(len(prompts))
     engine = continuous.ContinuousSampler(
@@ -119,7 +121,13 @@ def test_samples_do_not_depend_on_slots_order_or_preemption(policy):
     out = engine(
       params, [prompts[i] for i in order], key, group_size=G, prompt_ids=order, prompt_len=12
     )
-    preempted += engine.stats.get("preempted", 0)
+    st = engine.stats
+    preempted += st.get("preempted", 0)
+    resumed += st.get("resumed_rows", 0)
+    sizes |= set(st["batch_sizes"])
+    # No token is drawn twice: a preempted row goes on from the tokens it has (one prefill of
+    # prompt and response), so decode steps + one prefill draw per admission = the tokens.
+    assert st["row_steps"] + st["admitted_rows"] == out.lengths.sum()
     # Back to the original prompt order: row i * G + j is sample j of prompt i.
     rows = np.concatenate(
       [np.arange(G) + G * np.flatnonzero(order == i)[0] for i in range(len(prompts))]
@@ -131,7 +139,11 @@ def test_samples_do_not_depend_on_slots_order_or_preemption(policy):
       continue
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
-  assert preempted > 0  # the small pool did preempt, and the regenerated rows are the same
+  # The small pool did preempt and resume rows (a preempted row that finished in the chunk
+  # it was still running is not resumed), the running batch shrank through several compiled
+  # sizes as rows finished, and the rows are the same throughout.
+  assert 0 < resumed <= preempted
+  assert len(sizes) >= 3 and min(sizes) <= 2
 
 
 def test_more_samples_per_prompt_than_slots_are_served_as_asked(policy):
@@ -271,6 +283,12 @@ def test_training_with_the_continuous_engine(tmp_path):
   assert [r["step"] for r in rows] == [0, 1, 2]
   assert all(np.isfinite(r["loss/total"]) for r in rows[1:])
   assert 0 <= rows[-1]["eval/accuracy"] <= 1
+  # The engine's figures reach the run's metrics every iteration.
+  for r in rows[1:]:
+    assert 0 < r["rollout/engine/busy_share"] <= 1 and r["rollout/engine/decode_steps"] >= 1
+    assert 1 <= r["rollout/engine/batch_min"] <= r["rollout/engine/batch_max"] <= 16
+    assert r["rollout/engine/peak_pages"] <= r["rollout/engine/pool_pages"]
+    assert r["rollout/engine/host_wait_s"] >= 0 and r["rollout/engine/preempted"] >= 0
   env = dict(one_device_env())
   env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
   wd = str(tmp_path / "run2")

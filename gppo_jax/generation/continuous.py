@@ -321,13 +321,12 @@ class ContinuousSampler:
     otherwise compile as it goes."""
     e, sp = self.engine, self.sampling
     rows = self.per_group * self.groups
-    # Responses of 1, 2, ... chunks + 1 tokens: the running batch passes every size on its way
-    # down, each prefill count is met at the start.
+    # Row i runs 1 + stage(i) chunks, stage(i) = log2(rows / (i + 1)): after each stage half
+    # the rows are left, so the running batch passes through every size.
     prompts = -(-rows // group_size)
-    limits = np.minimum(
-      1 + e.chunk * (1 + np.arange(prompts * group_size) % max(1, len(self.batch_sizes()))),
-      sp.max_new_tokens,
-    ).astype(np.int32)
+    i = np.arange(prompts * group_size)
+    stage = np.floor(np.log2(rows / np.minimum(i + 1, rows))).astype(np.int32)
+    limits = np.minimum(1 + e.chunk * (1 + stage), sp.max_new_tokens).astype(np.int32)
     self(
       params, [[1] * prompt_len] * prompts, jax.random.key(0), group_size=group_size,
       prompt_len=prompt_len, row_limits=limits,
@@ -563,6 +562,7 @@ class _Rollout:
             self.pages.grow(slot, end)
             p_tail[r, u, j] = self.pages.page(slot, end // ps)
           self.slot_row[slot], self.length[slot], self.ahead[slot] = row, end, 0
+          self.row_step[row] = unit.drawn + 1  # the prefill draws one token
           self.slot_end[slot] = end + int(self.limits[row]) - unit.drawn - 1
           self.order[slot] = self.counters["admitted_rows"]
           self.counters["admitted_rows"] += 1
@@ -598,7 +598,9 @@ class _Rollout:
     for r in range(R):
       group = [s for s in self._group_slots(r) if self.slot_row[s] >= 0]
       while sum(self.pages.wanted(s, self._reach(s)) for s in group) > self.pages.free(r):
-        victim = max(group, key=lambda s: self.order[s])
+        # Rows that have run since their admission (admission keeps the pages of a new row's
+        # first chunk, so the others suffice).
+        victim = max((s for s in group if self.ahead[s]), key=lambda s: self.order[s])
         self._preempt(victim)
         group.remove(victim)
       for s in group:
@@ -829,66 +831,74 @@ def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, s
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnums=(8,))
 def _decode(graphdef, sp, chunk, spread, impl, unroll, block, params, state, slots, table):
-  """`_decode_group` in every group at once (a leading group axis): (state, records
-  [R, B, chunk, ...], cols [R, B, chunk], flags int32 [3, R, S]: done, step and length)."""
-  del block  # part of the key: `paged.gather_block_pages` reads it from the page size
+  """Up to `chunk` decode steps of every group's running rows (a leading group axis), gathered
+  from their slots (slots [R, B]: out-of-range ids are no row) into a batch of B, then written
+  back. Returns (state, records [R, B, chunk, ...] of the steps' tokens, cols [R, B, chunk]: the
+  response index each record is of, N where the row did not step, flags int32 [3, R, S]: done,
+  step and length of every slot).
+
+  The loop runs over all groups at once and only its step is vmapped over them: a loop under
+  vmap whose condition differs per group would select between old and new carry at each step,
+  a copy of the whole page pool."""
+  del block  # part of the key only: `paged.gather_block_pages` reads it from the page size
   weights = paged.decode_weights(graphdef, params, unroll)
   cfg = nnx.merge(graphdef, params).cfg
-  decode = lambda state, slots, table, shards=None: _decode_group(
-    cfg, sp, chunk, impl, weights, state, slots, table, shards
-  )
-  state, records, cols = _over_groups(decode, spread, impl, state, slots, table)
-  flags = jnp.stack([state.done.astype(jnp.int32), state.step, state.length])
-  return state, records, cols, flags
-
-
-def _decode_group(cfg, sp, chunk, impl, weights, state, slots, table, shards=None):
-  """Up to `chunk` decode steps of one group's running rows, gathered from their slots (slots
-  [B]: out-of-range ids are no row) into a batch of B, then written back. Returns (state,
-  records [B, chunk, ...] of the steps' tokens, cols [B, chunk]: the response index each
-  record is of, N where the row did not step)."""
-  S, N, B = state.done.shape[0], sp.max_new_tokens, slots.shape[0]
+  S, N = state.done.shape[1], sp.max_new_tokens
   valid = slots < S
-  rows = {name: getattr(state, name)[jnp.minimum(slots, S - 1)] for name in _ROW_FIELDS}
+  take = jax.vmap(lambda x, i: x[i])
+  rows = {name: take(getattr(state, name), jnp.minimum(slots, S - 1)) for name in _ROW_FIELDS}
   rows["done"] = rows["done"] | ~valid
-  keys = jax.random.wrap_key_data(rows["keys"])
   records = {
-    name: jnp.full((B, chunk, *shape), fill, dtype)
+    name: jnp.full((*slots.shape, chunk, *shape), fill, dtype)
     for name, shape, fill, dtype in _record_fields(cfg, sp)
   }
-  cols = jnp.full((B, chunk), N, jnp.int32)
+  cols = jnp.full((*slots.shape, chunk), N, jnp.int32)
+  step = lambda pool, rows, table, shards=None: _decode_step(
+    cfg, sp, impl, weights, pool, rows, table, shards
+  )
 
   def body(carry):
     i, pool, rows, records, cols = carry
-    live = ~rows["done"]
-    logits, pool, route = paged.decode_step(
-      cfg, weights, pool, rows["last_token"], rows["position"], table, rows["start"],
-      rows["length"], live, with_routing=sp.record_experts, attention_impl=impl, shards=shards,
-    )  # fmt: skip
-    drawn = sampler_lib._sample_token(logits, sampler_lib.step_keys(keys, rows["step"]), sp)
-    values = sampler_lib.token_records(*drawn, live, sp, route)
-    records = {
-      name: jax.lax.dynamic_update_index_in_dim(buf, values[name].astype(buf.dtype), i, 1)
-      for name, buf in records.items()
-    }
-    cols = jax.lax.dynamic_update_index_in_dim(cols, jnp.where(live, rows["step"], N), i, 1)
-    stopped = sampler_lib.stops(values["tokens"], rows["step"], rows["limit"], sp)
-    rows = dict(
-      rows,
-      last_token=jnp.where(live, drawn[0], rows["last_token"]),
-      position=rows["position"] + live,
-      length=rows["length"] + live,
-      step=rows["step"] + live,
-      done=rows["done"] | (live & stopped),
-    )
-    return i + 1, pool, rows, records, cols
+    pool, rows, values, col = _over_groups(step, spread, impl, pool, rows, table)
+    put = lambda buf, val: jax.lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), i, 2)
+    records = {name: put(buf, values[name]) for name, buf in records.items()}
+    return i + 1, pool, rows, records, put(cols, col)
 
   cond = lambda carry: (carry[0] < chunk) & jnp.any(~carry[2]["done"])
   _, pool, rows, records, cols = jax.lax.while_loop(
     cond, body, (jnp.int32(0), state.pool, rows, records, cols)
   )
-  back = {name: getattr(state, name).at[slots].set(rows[name], mode="drop") for name in _ROW_FIELDS}
-  return state.replace(pool=pool, **back), records, cols
+  put = jax.vmap(lambda x, i, v: x.at[i].set(v, mode="drop"))
+  state = state.replace(
+    pool=pool, **{name: put(getattr(state, name), slots, rows[name]) for name in _ROW_FIELDS}
+  )
+  flags = jnp.stack([state.done.astype(jnp.int32), state.step, state.length])
+  return _spread_over(spread, state), records, cols, flags
+
+
+def _decode_step(cfg, sp, impl, weights, pool, rows, table, shards=None):
+  """One decode step of one group's batch of rows (`_ROW_FIELDS` [B] each, table [B, pages]):
+  (pool, rows advanced, the step's `sampler.token_records`, cols [B]: the response index each
+  row drew, N where it did not step)."""
+  live = ~rows["done"]
+  logits, pool, route = paged.decode_step(
+    cfg, weights, pool, rows["last_token"], rows["position"], table, rows["start"],
+    rows["length"], live, with_routing=sp.record_experts, attention_impl=impl, shards=shards,
+  )  # fmt: skip
+  keys = sampler_lib.step_keys(jax.random.wrap_key_data(rows["keys"]), rows["step"])
+  drawn = sampler_lib._sample_token(logits, keys, sp)
+  values = sampler_lib.token_records(*drawn, live, sp, route)
+  stopped = sampler_lib.stops(values["tokens"], rows["step"], rows["limit"], sp)
+  col = jnp.where(live, rows["step"], sp.max_new_tokens)
+  rows = dict(
+    rows,
+    last_token=jnp.where(live, drawn[0], rows["last_token"]),
+    position=rows["position"] + live,
+    length=rows["length"] + live,
+    step=rows["step"] + live,
+    done=rows["done"] | (live & stopped),
+  )
+  return pool, rows, values, col
 
 
 def kv_bytes_fixed(cfg, rows: int, prompt_len: int, max_new_tokens: int) -> int:
@@ -941,3 +951,28 @@ class EngineSampler:
     out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
     self.stats = engine.stats
     return out
+
+  def metrics(self) -> dict[str, float]:
+    """The last call's engine figures as run metrics (`rollout/engine/*`, `_Rollout.stats`):
+    busy_share (rows decoded over rows computed), decode steps and calls, the smallest and
+    largest batch used and how many sizes, preempted and resumed rows, peak and pool pages,
+    the host's wait for a chunk's flags."""
+    st = self.stats
+    if not st:
+      return {}
+    sizes = st["batch_sizes"] or [0]
+    figures = dict(
+      busy_share=st["busy_share"],
+      decode_steps=st.get("decode_steps", 0),
+      decode_calls=st.get("decode_calls", 0),
+      prefill_calls=st.get("prefill_calls", 0),
+      batch_min=min(sizes),
+      batch_max=max(sizes),
+      batch_sizes=len(st["batch_sizes"]),
+      preempted=st.get("preempted", 0),
+      resumed=st.get("resumed_rows", 0),
+      peak_pages=st["peak_pages"],
+      pool_pages=st["num_pages"],
+      host_wait_s=st["host_wait_per_chunk_s"],
+    )
+    return {f"rollout/engine/{k}": float(v) for k, v in figures.items()}

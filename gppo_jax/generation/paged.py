@@ -176,9 +176,10 @@ def paged_attention(
     m, l, acc = carry
     index = first[:, None] + i * bp + jnp.arange(bp)[None]  # [S, bp]: past a row's last: masked
     page = page_table[rows[:, None], jnp.minimum(index, last_page)]  # [S, bp]
-    kb = pool_k[:, layer, page].astype(jnp.float32).reshape(K, S, bp * ps, Dh)
-    vb = pool_v[:, layer, page].astype(jnp.float32).reshape(K, S, bp * ps, Dh)
-    s = attention.soft_cap(jnp.einsum("skgd,kspd->skgp", qh, kb), softcap)
+    # [K, S, bp, ps, Dh] -> [S, K, bp * ps, Dh]: the row axis leading, as the products batch it
+    rows_first = lambda x: jnp.swapaxes(x, 0, 1).astype(jnp.float32).reshape(S, K, bp * ps, Dh)
+    kb, vb = rows_first(pool_k[:, layer, page]), rows_first(pool_v[:, layer, page])
+    s = attention.soft_cap(jnp.einsum("skgd,skpd->skgp", qh, kb), softcap)
     slot = (index[..., None] * ps + jnp.arange(ps)).reshape(S, bp * ps)
     ok = (slot >= start[:, None]) & (slot <= query_slot[:, None])  # [S, bp * ps]
     s = jnp.where(ok[:, None, None, :], s, _NEG)
@@ -186,7 +187,7 @@ def paged_attention(
     p = jnp.where(ok[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("skgp,kspd->skgd", p, vb)
+    acc = acc * corr[..., None] + jnp.einsum("skgp,skpd->skgd", p, vb)
     return m_new, l, acc
 
   init = (
@@ -293,8 +294,10 @@ def resolve_attention(
   return "pallas" if backend == "tpu" and fits and not problems else "gather"
 
 
-# Cache slots the gather path reads per row and loop step (`paged_attention`'s block_pages).
-GATHER_BLOCK_SLOTS = 256
+# Cache slots the gather path reads per row and loop step (`paged_attention`'s block_pages):
+# larger blocks take fewer steps, but past a few dozen slots per row the block no longer stays
+# in the CPU's caches (benchmarks/rollout.py).
+GATHER_BLOCK_SLOTS = 64
 
 
 def gather_block_pages(page_size: int) -> int:

@@ -428,6 +428,6 @@ def sample_fn(config, graphdef, param_shardings, mesh):
     )
   engine = continuous.EngineConfig(
     slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk,
-    attention=r.get("paged_attention", "auto"),
+    attention=r.get("paged_attention", "auto"), kv_memory_gib=r.get("kv_memory_gib") or None,
   )  # fmt: skip
   return continuous.EngineSampler(graphdef, engine, mesh)

@@ -124,6 +124,8 @@ def generate(
     answer_format=config.reward.get("answer_format", "boxed"),
   )
   metrics.update(shaping_metrics)
+  if hasattr(sample_fn, "metrics"):  # the continuous engine's figures (rollout/engine/*)
+    metrics.update(sample_fn.metrics())
   metrics["time/sample_s"] = t1 - t0
   metrics["time/reward_s"] = time.perf_counter() - t1
   groups = Groups(
