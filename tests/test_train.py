@@ -715,7 +715,7 @@ def _cache_probe(tmp_path, **env_extra):
   env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **env_extra)
   code = (
     "import jax, jax.numpy as jnp\n"
-    "from gppo_jax import experiment\n"
+    "from gppo_jax.trainer import experiment\n"
     "print(experiment.use_compilation_cache())\n"
     "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()\n"
   )
@@ -748,7 +748,7 @@ def _memory_probe(**env_extra) -> tuple[str, str, int, float]:
   env.update(JAX_PLATFORMS="cpu", **env_extra)
   code = (
     "import resource, jax, jax.numpy as jnp\n"
-    "from gppo_jax import experiment\n"
+    "from gppo_jax.trainer import experiment\n"
     "kept = experiment.keep_cpu_memory()\n"
     "x = jnp.linspace(0.0, 1.0, 4096)\n"
     "c = jax.jit(lambda x: jnp.sin(x[:, None] * x[None, :]).T @ x).lower(x).compile()\n"
