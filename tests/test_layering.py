@@ -166,9 +166,14 @@ def test_the_old_flat_module_names_are_gone():
   import importlib
   import importlib.util
 
+  import gppo_jax.data
+
   moves = _moves()
   assert ("gppo_jax.sampler", "gppo_jax.generation.sampler") in moves and len(moves) > 30, moves
   for old, new in moves:
+    if "<name>" in old:  # the readers were the names of the package gppo_jax.data itself
+      assert not hasattr(gppo_jax.data, "read_records") and "<name>" in new
+      continue
     with pytest.raises(ModuleNotFoundError):
       importlib.import_module(old)
     assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no module {new}"
