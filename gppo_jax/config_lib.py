@@ -392,6 +392,40 @@ def base(
   return c
 
 
+def from_saved(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The config a run saved (train's <workdir>/config.json, parsed), rebuilt on the shared base.
+
+  Each saved value replaces the base's, so a field keeps the base's type where it has one: a
+  command-line override of a field saved as None (`--config.eval.n=16`) parses as it does on a
+  config file, and JSON's lists come back as the tuples configs hold. A saved field the base
+  lacks is kept as saved; a base field the saved config lacks (one added since the run) keeps
+  the base's default."""
+  if not isinstance(saved, Mapping):
+    raise errors.ConfigError(f"a saved config is a JSON object, got {type(saved).__name__}")
+  c = base()
+  _overlay(c, saved)
+  return c
+
+
+def _tuples(value: Any) -> Any:
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _overlay(c: ml_collections.ConfigDict, saved: Mapping[str, Any]) -> None:
+  for key, value in saved.items():
+    if isinstance(value, Mapping):
+      if not isinstance(c.get(key), ml_collections.ConfigDict):
+        with c.ignore_type():
+          c[key] = ml_collections.ConfigDict()
+      _overlay(c[key], value)
+      continue
+    try:
+      c[key] = _tuples(value)
+    except TypeError:  # saved with another type than the base's (a config file's own choice)
+      with c.ignore_type():
+        c[key] = _tuples(value)
+
+
 def use_settings(c: ml_collections.ConfigDict, preset: presets.Preset) -> ml_collections.ConfigDict:
   """Writes a preset into config `c`: every field of its LossConfig into `c.loss` (delta_high None
   as delta_low) and its advantage estimator into `c.advantage.name`."""

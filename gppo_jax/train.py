@@ -431,7 +431,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   t_start = time.time()
   if jax.process_index() == 0:
     files.write_atomic(
-      os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2, sort_keys=True)
+      os.path.join(workdir, experiment.RUN_CONFIG),
+      config.to_json_best_effort(indent=2, sort_keys=True),
     )
   log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)

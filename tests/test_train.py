@@ -378,6 +378,9 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   np.testing.assert_allclose(
     report["metrics"]["eval/accuracy"], summary2["final_eval"]["eval/accuracy"]
   )
+  # `--workdir` alone evaluates with the config the run saved: the same figures.
+  saved = evaluate.evaluate_checkpoint(experiment.read_run_config(wd), wd)
+  assert saved["metrics"] == report["metrics"] and saved["protocol"] == report["protocol"]
 
 
 def learning_config(divergence: str, estimator: str, cache_dir: str, lr: float):
