@@ -358,6 +358,16 @@ def base(
   c.checkpoint.every = 20
   c.checkpoint.keep = 3
 
+  # Where metrics go besides <workdir>/metrics.jsonl and TensorBoard (trainer/metric_writers.py):
+  # with wandb=True, process 0 also logs every scalar, histogram and this config to a Weights &
+  # Biases run (`pip install wandb`), which a resumed run continues under the same run id
+  # (<workdir>/wandb_run_id.txt). The environment's WANDB_MODE, when set, wins over wandb_mode.
+  c.logging = ml_collections.ConfigDict()
+  c.logging.wandb = False
+  c.logging.wandb_project = "gppo_jax"
+  c.logging.wandb_entity = ""  # "" = the account's default entity
+  c.logging.wandb_mode = "online"  # online | offline (`wandb sync <workdir>/wandb/...` later)
+
   # Trace `iterations` iterations from iteration `start` (numbered from 1; 0 = off) with the JAX
   # profiler into <workdir>/profile: TensorBoard's profile tab and a Perfetto trace of the
   # device's kernels, the host's ops and the Python calls (docs/performance.md). Iteration 1
@@ -574,7 +584,16 @@ def _valid_seeds(x) -> bool:
 
 
 # Sections that configs built before them may lack: their fields are then not checked.
-OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe")
+OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe", "logging")
+
+# logging.wandb_mode: log to the W&B server as the run goes, or only to <workdir>/wandb.
+WANDB_MODES = ("online", "offline")
+# Characters W&B refuses in a project name.
+_WANDB_PROJECT_BANNED = set("/\\#?%:")
+
+
+def _valid_wandb_project(x) -> bool:
+  return isinstance(x, str) and 0 < len(x) <= 128 and not set(x) & _WANDB_PROJECT_BANNED
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -724,6 +743,14 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("checkpoint.keep", Int(1)),
     ("profile.start", Int(0)),
     ("profile.iterations", Int(1)),
+    # Logging.
+    ("logging.wandb", Flag()),
+    (
+      "logging.wandb_project",
+      Satisfies(_valid_wandb_project, "a W&B project name: 1-128 characters, none of / \\ # ? % :"),
+    ),
+    ("logging.wandb_entity", Text(empty_ok=True)),
+    ("logging.wandb_mode", OneOf(WANDB_MODES)),
   )
 
 
