@@ -8,6 +8,7 @@ import math
 import os
 import struct
 import sys
+import time
 
 import pytest
 from conftest import load_config
@@ -58,17 +59,31 @@ def _records(path: str):
       yield record
 
 
+def _finished_records(path: str, timeout_s: float = 30.0) -> list:
+  """The records of a finished run's .wandb file. W&B's service process writes the file on its
+  own: it may still be writing when `finish()` has returned, so wait for the run's exit record."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    records = list(_records(path))
+    if any(r.WhichOneof("record_type") == "exit" for r in records):
+      return records
+    assert time.monotonic() < deadline, f"{path}: no exit record after {timeout_s} s"
+    time.sleep(0.1)
+
+
 def read_run(wandb_dir: str, run_id: str) -> tuple[dict, dict[int, dict]]:
   """(config, {step: {key: value}}) of every offline file of W&B run `run_id` under wandb_dir."""
   paths = glob.glob(os.path.join(wandb_dir, "wandb", f"offline-run-*-{run_id}*", "*.wandb"))
   assert paths, os.listdir(os.path.join(wandb_dir, "wandb"))
   config, rows = {}, {}
   for path in paths:
-    for r in _records(path):
+    for r in _finished_records(path):
       kind = r.WhichOneof("record_type")
       if kind == "run":
         assert r.run.run_id == run_id
         config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
+      elif kind == "config":  # the config again, or what reached W&B after the run record
+        config.update({u.key: json.loads(u.value_json) for u in r.config.update})
       elif kind == "history":
         row = {"/".join(i.nested_key or [i.key]): json.loads(i.value_json) for i in r.history.item}
         rows.setdefault(int(row["_step"]), {}).update(row)
