@@ -15,8 +15,4 @@ The package is layered; each folder imports only from the folders above it in th
 - entry points: `python -m gppo_jax.train | evaluate | plan | prepare_data | sweep`.
 """
 
-from gppo_jax import _moved
-
 __version__ = "0.1.0"
-
-_moved.install()

@@ -58,6 +58,24 @@ def verbose_requested(argv: Sequence[str]) -> bool:
   return on
 
 
+def flag_argument(argv: Sequence[str], name: str) -> str | None:
+  """The value the raw command line gives flag `name` (`--name=V` or `--name V`, one dash too;
+  the last one wins, as in absl), or None: for a choice made before the flags are defined."""
+  value = None
+  args = list(argv[1:])
+  for i, arg in enumerate(args):
+    if arg == "--":
+      break
+    key, eq, given = arg.lstrip("-").partition("=")
+    if not arg.startswith("-") or key != name:
+      continue
+    if eq:
+      value = given
+    elif i + 1 < len(args):
+      value = args[i + 1]
+  return value
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
   """`exc` and the exceptions it was raised from or while handling, outermost first."""
   out = []

@@ -360,6 +360,16 @@ def base(
   c.checkpoint.every = 20
   c.checkpoint.keep = 3
 
+  # Where metrics go besides <workdir>/metrics.jsonl and TensorBoard (trainer/metric_writers.py):
+  # with wandb=True, process 0 also logs every scalar, histogram and this config to a Weights &
+  # Biases run (`pip install wandb`), which a resumed run continues under the same run id
+  # (<workdir>/wandb_run_id.txt). The environment's WANDB_MODE, when set, wins over wandb_mode.
+  c.logging = ml_collections.ConfigDict()
+  c.logging.wandb = False
+  c.logging.wandb_project = "gppo_jax"
+  c.logging.wandb_entity = ""  # "" = the account's default entity
+  c.logging.wandb_mode = "online"  # online | offline (`wandb sync <workdir>/wandb/...` later)
+
   # Trace `iterations` iterations from iteration `start` (numbered from 1; 0 = off) with the JAX
   # profiler into <workdir>/profile: TensorBoard's profile tab and a Perfetto trace of the
   # device's kernels, the host's ops and the Python calls (docs/performance.md). Iteration 1
@@ -392,6 +402,40 @@ def base(
     c.checkpoint.every = 2
   _apply_task_run(c, smoke="smoke" in args)
   return c
+
+
+def from_saved(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The config a run saved (train's <workdir>/config.json, parsed), rebuilt on the shared base.
+
+  Each saved value replaces the base's, so a field keeps the base's type where it has one: a
+  command-line override of a field saved as None (`--config.eval.n=16`) parses as it does on a
+  config file, and JSON's lists come back as the tuples configs hold. A saved field the base
+  lacks is kept as saved; a base field the saved config lacks (one added since the run) keeps
+  the base's default."""
+  if not isinstance(saved, Mapping):
+    raise errors.ConfigError(f"a saved config is a JSON object, got {type(saved).__name__}")
+  c = base()
+  _overlay(c, saved)
+  return c
+
+
+def _tuples(value: Any) -> Any:
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _overlay(c: ml_collections.ConfigDict, saved: Mapping[str, Any]) -> None:
+  for key, value in saved.items():
+    if isinstance(value, Mapping):
+      if not isinstance(c.get(key), ml_collections.ConfigDict):
+        with c.ignore_type():
+          c[key] = ml_collections.ConfigDict()
+      _overlay(c[key], value)
+      continue
+    try:
+      c[key] = _tuples(value)
+    except TypeError:  # saved with another type than the base's (a config file's own choice)
+      with c.ignore_type():
+        c[key] = _tuples(value)
 
 
 def use_settings(c: ml_collections.ConfigDict, preset: presets.Preset) -> ml_collections.ConfigDict:
@@ -542,7 +586,16 @@ def _valid_seeds(x) -> bool:
 
 
 # Sections that configs built before them may lack: their fields are then not checked.
-OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe")
+OPTIONAL_SECTIONS = ("profile", "model.lora", "model.moe", "logging")
+
+# logging.wandb_mode: log to the W&B server as the run goes, or only to <workdir>/wandb.
+WANDB_MODES = ("online", "offline")
+# Characters W&B refuses in a project name.
+_WANDB_PROJECT_BANNED = set("/\\#?%:")
+
+
+def _valid_wandb_project(x) -> bool:
+  return isinstance(x, str) and 0 < len(x) <= 128 and not set(x) & _WANDB_PROJECT_BANNED
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
@@ -693,6 +746,14 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("checkpoint.keep", Int(1)),
     ("profile.start", Int(0)),
     ("profile.iterations", Int(1)),
+    # Logging.
+    ("logging.wandb", Flag()),
+    (
+      "logging.wandb_project",
+      Satisfies(_valid_wandb_project, "a W&B project name: 1-128 characters, none of / \\ # ? % :"),
+    ),
+    ("logging.wandb_entity", Text(empty_ok=True)),
+    ("logging.wandb_mode", OneOf(WANDB_MODES)),
   )
 
 

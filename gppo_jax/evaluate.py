@@ -1,9 +1,13 @@
 """Evaluates a policy on the config's held-out set(s): a JSON report and a Markdown table.
 
   python -m gppo_jax.evaluate --config=configs/kl_atomic.py --workdir=workdirs/kl_atomic
+  python -m gppo_jax.evaluate --workdir=workdirs/kl_atomic --config.eval.n=16  # the run's config
   python -m gppo_jax.evaluate --config=configs/qwen25_math_7b.py:gpu8 \\
       --config.model.path=/models/Qwen2.5-Math-7B --config.eval.n=16 --config.eval.k=1,8,16 \\
       --config.eval.seeds=0,1,2                   # the model itself: no training, no workdir
+
+Without --config, the config is the one the run saved (<workdir>/config.json, written by train),
+and --config.* overrides apply to it.
 
 --checkpoint picks the policy: `latest` (the workdir's newest readable checkpoint), `init` (the
 initial policy: config.model.path as it is, or the warm-started built-in policy), another run's
@@ -27,12 +31,13 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Any
 
 import jax
 from flax import nnx
 
-from gppo_jax import config_lib, files
+from gppo_jax import cli, config_lib, files
 from gppo_jax.errors import UserError
 from gppo_jax.models import partitioning, sharding
 from gppo_jax.rewards import pass_at_k
@@ -66,6 +71,15 @@ def find_source(workdir: str, which: str) -> tuple[str, str]:
       "built-in initial policy), a run's workdir or a Hugging Face folder"
     )
   return "checkpoint", ckpt_dir
+
+
+def run_config(argv):
+  """--config when the command line `argv` gives none but a --workdir: the config that run saved
+  (experiment.read_run_config); None otherwise."""
+  if cli.flag_argument(argv, "config") is not None:
+    return None
+  workdir = cli.flag_argument(argv, "workdir")
+  return experiment.read_run_config(workdir) if workdir else None
 
 
 def default_checkpoint(config, workdir: str, workdir_given: bool) -> str:
@@ -217,6 +231,11 @@ def main(argv):
   experiment.use_compilation_cache()
   f = flags.FLAGS
   cfg = f.config
+  if cfg is None:
+    raise UserError(
+      "no config: give --config=CONFIG_FILE (configs/NAME.py[:ARG]), or --workdir=RUN to "
+      "evaluate a training run with the config it saved (RUN/config.json)"
+    )
   workdir = f.workdir or experiment.default_workdir(config_flags.get_config_filename(f["config"]))
   which = f.checkpoint or default_checkpoint(cfg, workdir, workdir_given=bool(f.workdir))
   report = evaluate_checkpoint(cfg, workdir, which=which)
@@ -232,11 +251,23 @@ if __name__ == "__main__":
   from absl import flags
   from ml_collections import config_flags
 
-  from gppo_jax import cli
-
   sharding.maybe_initialize_distributed()  # multi-host: before the config file runs any jax code
-  config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-  flags.DEFINE_string("workdir", None, "Run folder holding checkpoints/.")
+  try:
+    saved = run_config(sys.argv)
+  except UserError as e:
+    cli.fail(str(e), e, verbose=cli.verbose_requested(sys.argv))
+  if saved is None:
+    config_flags.DEFINE_config_file(
+      "config", None, "Config file (default: the config.json of --workdir).", lock_config=True
+    )
+  else:  # --config.* overrides apply to the run's config, parsed here, as the flag is defined
+    try:
+      config_flags.DEFINE_config_dict(
+        "config", saved, "The run's config (--workdir's config.json).", lock_config=True
+      )
+    except Exception as e:  # noqa: BLE001 - a bad override: one line, as cli.run reports it
+      cli.fail(cli.flag_error_message(e, sys.argv), e, verbose=cli.verbose_requested(sys.argv))
+  flags.DEFINE_string("workdir", None, "Run folder holding checkpoints/ (and config.json).")
   flags.DEFINE_string(
     "checkpoint",
     None,
@@ -244,5 +275,4 @@ if __name__ == "__main__":
     "workdir, or an HF folder. Default: latest, or init for a model.path config with no run.",
   )
   flags.DEFINE_string("out", None, "Report folder (default <run folder>/eval/<step>/).")
-  flags.mark_flags_as_required(["config"])
   cli.run(main)

@@ -97,6 +97,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   (its checkpoint holds `summary["iterations_done"]` iterations; rerun to resume)."""
   config_lib.validate(config)  # every shape and range check, before any file or model work
   experiment.check_inputs(config)
+  if metric_writers.WandbOptions.from_config(config) and jax.process_index() == 0:
+    metric_writers.import_wandb()  # a missing package fails now, not after the warm start
   log_dir, checkpoint_dir = experiment.split_workdir(workdir)
   with contextlib.ExitStack() as stack:
     if jax.process_index() == 0:
@@ -431,7 +433,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
   t_start = time.time()
   if jax.process_index() == 0:
     files.write_atomic(
-      os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2, sort_keys=True)
+      os.path.join(workdir, experiment.RUN_CONFIG),
+      config.to_json_best_effort(indent=2, sort_keys=True),
     )
   log.info("resolved config:\n%s", config)
   run, state = _set_up(config, workdir, checkpoint_dir, stack)
@@ -463,6 +466,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
       total_steps=config.iterations,
       initial_step=start,
       resume_step=start if restored is not None else -1,
+      wandb=metric_writers.WandbOptions.from_config(config),
     )
   )
   stack.enter_context(writer.redirect_logging(log))

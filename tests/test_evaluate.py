@@ -67,6 +67,76 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
   assert not (tmp_path / "nothing_here").exists()
 
 
+def _evaluate_cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
+  env = conftest.one_device_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run(
+    [sys.executable, "-m", "gppo_jax.evaluate", *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=cwd,
+  )
+
+
+def test_workdir_alone_evaluates_with_the_config_the_run_saved(tmp_path):
+  """`--workdir=RUN` without --config: RUN/config.json as train writes it, rebuilt with the
+  base's field types (tuples, and None fields that --config.* overrides still parse); a given
+  --config wins; without either, or without the file, one line says what to give."""
+  c = load_config("qwen25_math_7b", "gpu8,cell=dapo")
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(c.to_json_best_effort(indent=2, sort_keys=True))
+  saved = evaluate.run_config(["evaluate", f"--workdir={run}"])
+  resolved = c.copy_and_resolve_references().to_dict()
+  assert saved.copy_and_resolve_references().to_dict() == resolved  # (1, 4) == [1, 4] is False
+  assert evaluate.run_config(["evaluate", "--workdir", str(run)]).eval.k == (1, 4)
+  assert evaluate.run_config(["evaluate", "--config=configs/ppo.py", f"--workdir={run}"]) is None
+  assert evaluate.run_config(["evaluate", "--config.eval.n=3"]) is None
+  # --config.* overrides on the saved config, as on a config file (eval.n was saved as None).
+  from absl import flags
+  from ml_collections import config_flags
+
+  builtin = smoke_config(tmp_path)
+  builtin.eval.n = None
+  (run / "config.json").write_text(builtin.to_json_best_effort())
+  argv = ["evaluate", f"--workdir={run}", "--config.eval.n=16", "--config.eval.k=1,8,16"]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_dict(
+    "config", evaluate.run_config(argv), "", flag_values=fv, sys_argv=argv, lock_config=True
+  )
+  flags.DEFINE_string("workdir", None, "", flag_values=fv)
+  fv(argv)
+  config_lib.validate(fv.config, evaluating=True)
+  assert (fv.config.eval.n, fv.config.eval.k, fv.config.iterations) == (16, (1, 8, 16), 3)
+  (run / "config.json").write_text("{not json")
+  with pytest.raises(errors.ConfigError, match="config.json: not a config written by train"):
+    evaluate.run_config(argv)
+  with pytest.raises(errors.MissingFileError, match=r"no config.json .*--config=CONFIG_FILE"):
+    evaluate.run_config(["evaluate", f"--workdir={tmp_path / 'none'}"])
+
+
+def test_the_command_line_reads_the_run_config_before_any_work(tmp_path):
+  """`python -m gppo_jax.evaluate --workdir=RUN --config.eval.n=16`: the saved config loads and
+  takes the override (the command gets as far as finding no checkpoint); a missing config.json
+  and a missing --config and --workdir are one line each, exit 2."""
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(smoke_config(tmp_path).to_json_best_effort())
+  for args, words in [
+    ([f"--workdir={run}", "--config.eval.n=16"], "has no checkpoints folder"),
+    ([f"--workdir={run}", "--config.eval.nn=16"], "config.eval has no field 'nn'"),
+    ([f"--workdir={tmp_path / 'none'}"], "has no config.json"),
+    ([], "no config: give --config=CONFIG_FILE"),
+  ]:
+    p = _evaluate_cli(*args, cwd=tmp_path)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and words in lines[-1], (args, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+  assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(run) == ["config.json"]
+
+
 def parse_flags(*argv):
   """The config as `--config=... --config.eval.k=...` on a command line builds it."""
   from absl import flags

@@ -8,11 +8,13 @@ a folder (or top-level module) imports only from its own layer or the layers lis
 import ast
 import os
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "gppo_jax")
 
 LAYERS = [
-  ("foundations", {"errors", "files", "registry", "cli", "_moved"}),
+  ("foundations", {"errors", "files", "registry", "cli"}),
   ("algorithm", {"algorithm"}),
   ("models", {"models"}),
   ("generation", {"generation"}),
@@ -139,3 +141,39 @@ def test_the_graph_resolves_submodules():
   graph = modules()
   assert "trainer.train_step" in graph and "algorithm.objective" in graph["trainer.train_step"]
   assert _layer("algorithm.objective") < _layer("trainer.train_step")
+
+
+def _moves() -> list[tuple[str, str]]:
+  """(old module, new module) for each name in docs/architecture.md's "Module moves" table."""
+  text = open(os.path.join(REPO, "docs", "architecture.md")).read()
+  table = text.split("## Module moves", 1)[1].split("\n## ", 1)[0]
+  moves = []
+  for line in table.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 2 or not cells[0].startswith("`gppo_jax."):
+      continue
+    old = [n.strip(" `") for n in cells[0].split("(")[0].split(",")]
+    new = cells[1].strip("`")
+    prefix = old[0].rsplit(".", 1)[0]
+    names = [old[0]] + [f"{prefix}.{n}" for n in old[1:]]
+    moves += [(o, new.replace("<same>", o.rsplit(".", 1)[1])) for o in names]
+  return moves
+
+
+def test_the_old_flat_module_names_are_gone():
+  """No alias keeps a name from before the layer folders: each old name in the architecture's
+  table fails to import, and its new name is a module."""
+  import importlib
+  import importlib.util
+
+  import gppo_jax.data
+
+  moves = _moves()
+  assert ("gppo_jax.sampler", "gppo_jax.generation.sampler") in moves and len(moves) > 30, moves
+  for old, new in moves:
+    if "<name>" in old:  # the readers were the names of the package gppo_jax.data itself
+      assert not hasattr(gppo_jax.data, "read_records") and "<name>" in new
+      continue
+    with pytest.raises(ModuleNotFoundError):
+      importlib.import_module(old)
+    assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no module {new}"

@@ -143,7 +143,8 @@ def test_signal_during_set_up_exits_cleanly(tmp_path):
   code = (
     "import os, signal, sys\n"
     f"sys.argv = ['train', '--config={REPO}/configs/kl_atomic.py:smoke', '--workdir={wd}']\n"
-    "from gppo_jax import experiment, train\n"
+    "from gppo_jax import train\n"
+    "from gppo_jax.trainer import experiment\n"
     "real = experiment.build_policy\n"
     "def build(*a, **k):\n"
     "  os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -314,7 +315,7 @@ def test_metric_writer_loads_tensorboardx_without_torch_and_torch_still_imports(
   pytest.importorskip("torch")
   script = f"""
 import sys
-from gppo_jax import metric_writers
+from gppo_jax.trainer import metric_writers
 w = metric_writers.MetricWriter({str(tmp_path)!r}, total_steps=3, resume_step=0, progress=False)
 w.write(1, {{"a": 1.0}})
 w.close()

@@ -378,6 +378,9 @@ def test_smoke_run_checkpoints_and_resumes(tmp_path):
   np.testing.assert_allclose(
     report["metrics"]["eval/accuracy"], summary2["final_eval"]["eval/accuracy"]
   )
+  # `--workdir` alone evaluates with the config the run saved: the same figures.
+  saved = evaluate.evaluate_checkpoint(experiment.read_run_config(wd), wd)
+  assert saved["metrics"] == report["metrics"] and saved["protocol"] == report["protocol"]
 
 
 def learning_config(divergence: str, estimator: str, cache_dir: str, lr: float):
@@ -715,7 +718,7 @@ def _cache_probe(tmp_path, **env_extra):
   env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **env_extra)
   code = (
     "import jax, jax.numpy as jnp\n"
-    "from gppo_jax import experiment\n"
+    "from gppo_jax.trainer import experiment\n"
     "print(experiment.use_compilation_cache())\n"
     "jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()\n"
   )
@@ -748,7 +751,7 @@ def _memory_probe(**env_extra) -> tuple[str, str, int, float]:
   env.update(JAX_PLATFORMS="cpu", **env_extra)
   code = (
     "import resource, jax, jax.numpy as jnp\n"
-    "from gppo_jax import experiment\n"
+    "from gppo_jax.trainer import experiment\n"
     "kept = experiment.keep_cpu_memory()\n"
     "x = jnp.linspace(0.0, 1.0, 4096)\n"
     "c = jax.jit(lambda x: jnp.sin(x[:, None] * x[None, :]).T @ x).lower(x).compile()\n"

@@ -1,6 +1,7 @@
 """What a training run and an evaluation both set up: the workdir, the policy and its state.
 
-  workdir:  default_workdir, split_workdir (local logs vs. checkpoint storage), WorkdirLock
+  workdir:  default_workdir, split_workdir (local logs vs. checkpoint storage), WorkdirLock,
+            read_run_config (the config.json a run saved)
   policy:   build_policy (built-in task + tiny warm-started policy, or a Hugging Face folder)
   state:    init_state (TrainState on the mesh), abstract_state (its shapes, for restores)
   sampling: sampling_params (the rollout's decoding settings)
@@ -69,6 +70,30 @@ def split_workdir(workdir: str) -> tuple[str, str]:
     )
   local = os.path.abspath(os.path.expanduser(workdir))
   return local, os.path.join(local, "checkpoints")
+
+
+RUN_CONFIG = "config.json"  # the resolved config, written by train at the start of every run
+
+
+def read_run_config(workdir: str):
+  """The config a training run saved in its workdir (RUN_CONFIG, in split_workdir's local
+  folder), as a ConfigDict: what `python -m gppo_jax.evaluate --workdir=RUN` evaluates with when
+  no --config is given."""
+  path = os.path.join(split_workdir(workdir)[0], RUN_CONFIG)
+  if not os.path.isfile(path):
+    raise MissingFileError(
+      f"--workdir={workdir!r} has no {RUN_CONFIG} ({path}), which train writes when a run "
+      "starts: give the run's config file with --config=CONFIG_FILE"
+    )
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path}: not a config written by train ({e})") from None
+  try:
+    return config_lib.from_saved(saved)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from None
 
 
 class WorkdirBusyError(UserError):

@@ -1,22 +1,33 @@
-"""Where metrics go: a JSONL file, TensorBoard event files and a progress bar (process 0 only).
+"""Where metrics go: a JSONL file, TensorBoard event files, a progress bar and, with
+config.logging.wandb, a Weights & Biases run (process 0 only).
 
 A resumed run replays the iterations after its checkpoint, so `MetricWriter(resume_step=S)` drops
 what the logs hold past step S (rows a crashed run wrote after its last checkpoint): it rewrites
 metrics.jsonl without them (and without a half-written last line), and starts its TensorBoard
 event file with a SessionLog.START event at step S + 1 (tensorboardX's `purge_step`), on which
 TensorBoard discards the events of steps > S read before it. Each iteration appears once in both.
+
+W&B: a resumed run continues the W&B run whose id the log folder keeps (WANDB_ID_FILE), logging
+each row at its iteration as the step. W&B cannot drop what it holds: it ignores a step it has
+already passed, so the replayed iterations up to the crashed run's last logged step keep the
+first values logged for them, and the run continues from there. A run that starts afresh
+(resume_step < 0: no checkpoint) starts a new W&B run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 import re
+import secrets
+import string
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -24,6 +35,10 @@ import numpy as np
 
 from gppo_jax import files
 from gppo_jax.data import readers
+from gppo_jax.errors import ConfigError, UserError
+
+# The id of the log folder's W&B run, kept so that a resumed run continues it.
+WANDB_ID_FILE = "wandb_run_id.txt"
 
 # Figures shown on the progress bar, in this order, with short labels.
 PROGRESS_KEYS = (
@@ -55,6 +70,93 @@ def tensorboardx():
   return tensorboardX
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbOptions:
+  """Where MetricWriter also logs, from config.logging: a W&B project, and the run's config."""
+
+  project: str
+  entity: str = ""  # "" = the account's default
+  mode: str = "online"  # online | offline; the environment's WANDB_MODE, when set, wins
+  config: Mapping[str, Any] | None = None
+
+  @classmethod
+  def from_config(cls, config) -> WandbOptions | None:
+    """The options of config.logging, or None when W&B is off (or the config has no section)."""
+    options = config.get("logging")
+    if options is None or not options.wandb:
+      return None
+    return cls(
+      project=options.wandb_project,
+      entity=options.wandb_entity,
+      mode=options.wandb_mode,
+      config=json.loads(config.to_json_best_effort()),  # as the run's config.json holds it
+    )
+
+
+def import_wandb():
+  """The wandb package, imported only when a config turns W&B logging on."""
+  try:
+    import wandb
+  except ModuleNotFoundError as e:
+    if e.name != "wandb":
+      raise
+    raise ConfigError(
+      "logging.wandb=True needs the wandb package, which is not installed: pip install wandb "
+      "(or set logging.wandb=False)"
+    ) from None
+  return wandb
+
+
+def _wandb_run_id(log_dir: str, fresh: bool) -> str:
+  """The id of the log folder's W&B run: the one WANDB_ID_FILE keeps, unless `fresh` or there is
+  none, when a new one is made and kept (written atomically)."""
+  path = os.path.join(log_dir, WANDB_ID_FILE)
+  if not fresh and os.path.exists(path):
+    with open(path) as f:
+      kept = f.read().strip()
+    if kept:
+      return kept
+  new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+  files.write_atomic(path, new + "\n")
+  return new
+
+
+def _start_wandb(options: WandbOptions, log_dir: str, fresh: bool):
+  """(the wandb module, a W&B run for the log folder): the kept run resumed, or a new one. Its
+  files go to <log_dir>/wandb, or $WANDB_DIR when set."""
+  wandb = import_wandb()
+  kwargs = dict(
+    project=options.project,
+    entity=options.entity or None,
+    id=_wandb_run_id(log_dir, fresh),
+    resume="allow",
+    name=os.path.basename(os.path.normpath(log_dir)),
+    dir=os.environ.get("WANDB_DIR") or log_dir,
+    config=dict(options.config or {}),
+    reinit="create_new",  # the writer logs to its own run object, never to wandb.run
+    # W&B's own setting wins, as W&B users expect (an explicit init argument would beat it).
+    mode=os.environ.get("WANDB_MODE", "").strip() or options.mode,
+  )
+  try:
+    return wandb, wandb.init(**kwargs)
+  except (wandb.errors.Error, ValueError) as e:  # no API key or network, a bad WANDB_MODE, ...
+    raise UserError(
+      f"Weights & Biases (logging.wandb=True, mode {kwargs['mode']!r}): {e}; "
+      "logging.wandb_mode='offline' logs without an account or network (`wandb sync` uploads "
+      "the run later)"
+    ) from e
+
+
+def _wandb_histogram(wandb, histogram: Mapping[str, Any]):
+  """A wandb.Histogram of the keyword arguments MetricWriter.histogram takes. The buckets' right
+  edges (bucket_limits) get a left edge for the first, open bucket: the smallest value seen or
+  one bucket's width below the first limit, whichever is lower."""
+  limits = [float(x) for x in histogram["bucket_limits"]]
+  below = limits[0] - (limits[1] - limits[0] if len(limits) > 1 else 1.0)
+  edges = [min(float(histogram["min"]), below), *limits]
+  return wandb.Histogram(np_histogram=(list(histogram["bucket_counts"]), edges))
+
+
 def _scalar(v: Any) -> float | None:
   try:
     x = float(np.asarray(v))
@@ -69,7 +171,11 @@ def _tb_name(key: str) -> str:
 
 
 class MetricWriter:
-  """Writes flat dicts of scalars; `log_dir` gets metrics.jsonl and TensorBoard events."""
+  """Writes flat dicts of scalars; `log_dir` gets metrics.jsonl and TensorBoard events, and with
+  `wandb` options a W&B run gets the same scalars and histograms at the same steps.
+
+  resume_step: None (append), S >= 0 (a run resumed at step S: drop what lies past it) or < 0 (a
+  run started afresh: drop everything, and a new W&B run)."""
 
   def __init__(
     self,
@@ -80,15 +186,22 @@ class MetricWriter:
     resume_step: int | None = None,
     enabled: bool | None = None,
     progress: bool = True,
+    wandb: WandbOptions | None = None,
   ):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.latest: dict[str, float] = {}
     self._jsonl = None
     self._tb = None
     self._bar = None
+    self._wandb = self._wandb_lib = None
+    self.wandb_run_id = None
     if not self.enabled:
       return
     os.makedirs(log_dir, exist_ok=True)
+    if wandb is not None:  # first: a W&B error leaves no file open
+      fresh = resume_step is not None and resume_step < 0
+      self._wandb_lib, self._wandb = _start_wandb(wandb, log_dir, fresh)
+      self.wandb_run_id = self._wandb.id
     self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
     if resume_step is not None:
       truncate_jsonl(self.jsonl_path, resume_step)
@@ -128,13 +241,18 @@ class MetricWriter:
       summary = self._tbx.proto.summary_pb2.Summary
       scalars = [summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()]
       self._tb.add_summary(summary(value=scalars), int(step))
+    if self._wandb is not None:
+      self._wandb.log(values, step=int(step))
 
   def histogram(self, step: int, tag: str, histogram: dict[str, Any]) -> None:
-    """A histogram to TensorBoard: the keyword arguments of tensorboardX.summary.histogram_raw
-    (min, max, num, sum, sum_squares, bucket_limits, bucket_counts)."""
+    """A histogram to TensorBoard (and W&B): the keyword arguments of
+    tensorboardX.summary.histogram_raw (min, max, num, sum, sum_squares, bucket_limits,
+    bucket_counts)."""
     if self._tb is not None:
       summary = self._tbx.summary.histogram_raw(_tb_name(tag), **histogram)
       self._tb.add_summary(summary, int(step))
+    if self._wandb is not None:
+      self._wandb.log({tag: _wandb_histogram(self._wandb_lib, histogram)}, step=int(step))
 
   def advance(self, n: int = 1) -> None:
     if self._bar is None:
@@ -174,6 +292,9 @@ class MetricWriter:
     if self._jsonl is not None:
       self._jsonl.close()
       self._jsonl = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
 
 
 # --- Resume: drop what lies past the restored step ----------------------------------------------
