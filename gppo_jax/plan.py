@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gppo_jax import cli, config_lib, errors
+from gppo_jax.generation import sampler
 from gppo_jax.models import architectures, attention, sharding
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import train_step
@@ -184,16 +185,36 @@ def per_device_bytes(tree: Any, shardings: Any) -> int:
   return total
 
 
-def kv_cache_bytes(cfg: architectures.ModelConfig, mesh, batch: int, length: int) -> int:
-  """Per-device bytes of the sampler's KV cache, batch over data x fsdp (x expert), kv heads
-  over tensor."""
+def kv_cache_bytes(config, cfg: architectures.ModelConfig, mesh, rows: int, prompt_len: int,
+                   resp_len: int) -> tuple[int, str]:  # fmt: skip
+  """Per-device bytes of the rollout's KV cache and which sampler holds it, both from
+  `paged.kv_bytes_per_token` (the engine's formula): where `rollout.engine` runs continuous
+  batching, one shard's page pool (`ContinuousSampler.pool_pages`, the pool the engine sizes);
+  else the fixed batch's cache, its rows over data x fsdp (x expert), kv heads over tensor."""
+  from gppo_jax.generation import continuous, paged  # noqa: PLC0415
+
+  r = config.rollout
+  per_token = paged.kv_bytes_per_token(cfg)
+  if continuous.engine_for(r.get("engine", "auto"), resp_len) == "continuous":
+    shards = sharding.batch_shards(mesh)
+    slots = r.get("slots", 0) or -(-rows // shards) * shards
+    engine = continuous.ContinuousSampler(
+      None,
+      sampler.SamplingParams(max_new_tokens=resp_len),
+      continuous.EngineConfig(
+        slots=slots, page_size=r.page_size, num_pages=r.get("kv_pages") or None,
+        chunk=r.decode_chunk, kv_memory_gib=r.get("kv_memory_gib") or None,
+      ),
+      mesh,
+    )  # fmt: skip
+    prompt = -(-prompt_len // r.page_size) * r.page_size
+    pages = engine.pool_pages(prompt, r.group_size, model_cfg=cfg)
+    return pages * r.page_size * per_token, "engine page pool, one shard's"
   dp = sharding.batch_shards(mesh)
-  rows = -(-batch // dp) if batch % dp == 0 else batch
+  per_device = -(-rows // dp) if rows % dp == 0 else rows
   heads = cfg.num_kv_heads
-  if heads % mesh.shape["tensor"] == 0:
-    heads //= mesh.shape["tensor"]
-  item = np.dtype(cfg.compute_dtype).itemsize
-  return 2 * cfg.num_layers * rows * length * heads * cfg.head_dim * item
+  split = mesh.shape["tensor"] if heads % mesh.shape["tensor"] == 0 else 1
+  return per_device * (prompt_len + resp_len) * per_token // split, "fixed-batch cache"
 
 
 def attention_impl(cfg: architectures.ModelConfig, seq: int, backend: str) -> str:
@@ -349,7 +370,8 @@ def plan(
     )
   params = params * copies + frozen
   resident = params + optimizer
-  kv = kv_cache_bytes(cfg, mesh, n, p + r)
+  kv, kv_kind = kv_cache_bytes(config, cfg, mesh, n, p, r)
+  notes.append(f"sampler KV cache: the {kv_kind}")
   dp = sharding.batch_shards(mesh)
   decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
   source = "analytic"

@@ -348,3 +348,30 @@ def test_auto_engine_picks_continuous_batching_at_real_response_lengths():
   config.rollout.engine = "paged"
   with pytest.raises(errors.ConfigError, match="rollout.engine"):
     config_lib.validate(config)
+
+
+def test_pool_sized_from_memory(policy):
+  """rollout.kv_memory_gib sizes the pool from memory (its pages over the shards' pools), is
+  handed to the engine by the trainer's sample_fn, and cannot be set beside rollout.kv_pages."""
+  from gppo_jax import config_lib, errors
+  from gppo_jax.models import partitioning, sharding
+  from gppo_jax.trainer import experiment
+
+  cfg, graphdef, params, prompts = policy
+  sp = sampler.SamplingParams(max_new_tokens=N, stop_ids=(1,), pad_id=0)
+  gib = 200 * paged.pool_bytes(cfg, 1, 4) / 2**30  # 200 pages of 4 slots
+  engine = continuous.ContinuousSampler(
+    graphdef, sp, continuous.EngineConfig(slots=6, page_size=4, kv_memory_gib=gib)
+  )
+  out = engine(params, prompts, jax.random.key(0), group_size=G)
+  assert engine.stats["num_pages"] == 200 and out.lengths.min() >= 1
+  config = config_lib.base()
+  config.rollout.engine = "continuous"
+  config.rollout.kv_memory_gib = 0.5
+  config_lib.validate(config)
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  got = experiment.sample_fn(config, graphdef, partitioning.state_shardings(params, mesh), mesh)
+  assert got.engine.kv_memory_gib == 0.5 and got.engine.num_pages is None
+  config.rollout.kv_pages = 100
+  with pytest.raises(errors.ConfigError, match="the pool is sized by one of them"):
+    config_lib.validate(config)

@@ -147,3 +147,25 @@ def test_two_processes_resume_jointly_and_stop_together_when_one_is_signalled(ru
   steps = [x["step"] for x in _metrics(str(root / "two"))]
   assert steps == [0, 1, 2, 3]  # resumed at 2: no iteration repeated, none lost
   assert "3" in os.listdir(root / "two" / "checkpoints")
+
+
+def test_two_processes_run_the_continuous_engine_as_one(tmp_path):
+  """The continuous engine across two processes (each feeding its own slot groups, the host
+  bookkeeping run alike on the gathered flags): the same rollouts and evaluation as one process
+  holding all 4 devices, and its figures logged."""
+  engine = (
+    "--config.iterations=1", "--config.eval.every=1",
+    "--config.rollout.engine=continuous", "--config.rollout.decode_chunk=4",
+    "--config.rollout.page_size=4",
+  )  # fmt: skip
+  one = _train(str(tmp_path / "one"), _env(4), *engine)
+  outs = _two_processes(str(tmp_path / "two"), *engine)
+  out_one = one.communicate(timeout=900)[0]
+  assert one.returncode == 0, out_one[-4000:]
+  a, b = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
+  assert [x["step"] for x in b] == [x["step"] for x in a] == [0, 1]
+  for key in ("reward/mean", "response/length_mean", "eval/accuracy", "rollout/engine/busy_share"):
+    assert b[1][key] == a[1][key], (key, a[1][key], b[1][key])
+  assert b[1]["rollout/engine/decode_steps"] >= 1
+  np.testing.assert_allclose(b[1]["loss/total"], a[1]["loss/total"], rtol=1e-4, atol=1e-6)
+  assert "held-out greedy accuracy" in outs[0]

@@ -15,8 +15,9 @@ work), and a small host scheduler (`_Rollout`) runs between chunks:
   drew: when it is admitted again, its prompt and response so far are prefilled in one call and
   it goes on from there (vLLM's recompute preemption);
 - decode: the chunk runs on the running rows only, gathered into a batch of a few compiled sizes
-  (powers of two up to the slots): as rows finish and no prompt is left to take their slots, the
-  batch shrinks, so the tail of a long-tailed rollout costs what its live rows cost;
+  (`ContinuousSampler.batch_sizes`: powers of two and 1.5 times them): as rows finish and no
+  prompt is left to take their slots, the batch shrinks, so the tail of a long-tailed rollout
+  costs what its live rows cost;
 - collect: the chunk's tokens are written, on the device, into the rollout's output rows by row
   id, fetched once at the end. The host reads only each chunk's small done / length flags, and
   reads them one chunk late: chunk k + 1 is dispatched before chunk k's flags are read, so the
@@ -59,10 +60,12 @@ from gppo_jax.models import model as model_lib
 from gppo_jax.models import partitioning, sharding
 
 ENGINES = ("auto", "fixed", "continuous")  # config rollout.engine
-# "auto": continuous batching from this many max new tokens on, fixed batches below. At real
-# response lengths the engine wins (benchmarks/rollout.py); on the built-in tasks' few-token
-# answers a fixed batch is as fast (benchmarks/iteration.py --config.rollout.engine=...;
-# docs/performance.md).
+# "auto": continuous batching from this many max new tokens on, fixed batches below. With 64
+# long-tailed rows (benchmarks/rollout.py, docs/performance.md) the engine was 1.3x faster at a
+# cap of 256 tokens and 0.7x at 128: with rows about a chunk long, rows that finished within a
+# chunk or the one before (the host reads flags a chunk late) and the padding to the batch
+# sizes are much of what it computes. On the built-in tasks' few-token answers a fixed batch
+# samples ~5x faster (benchmarks/iteration.py --config.rollout.engine=...).
 AUTO_MIN_NEW_TOKENS = 256
 
 
@@ -265,13 +268,12 @@ class ContinuousSampler:
     return impl
 
   def batch_sizes(self) -> list[int]:
-    """The decode batch sizes (per group) a call may compile: powers of two below the slots per
-    group, and the slots per group."""
-    sizes, n = [], 1
-    while n < self.per_group:
-      sizes.append(n)
-      n *= 2
-    return [*sizes, self.per_group]
+    """The decode batch sizes (per group) a call may compile: the powers of two and, from 12
+    on, three times the powers of two (which cut the padding of large batches by about half),
+    below the slots per group, and the slots per group."""
+    sizes = {1 << i for i in range(self.per_group.bit_length())}
+    sizes |= {3 << i for i in range(2, self.per_group.bit_length())}
+    return sorted(n for n in sizes if n < self.per_group) + [self.per_group]
 
   def pool_pages(self, prompt_len: int, group_size: int, attention: str = "gather",
                  model_cfg=None) -> int:  # fmt: skip
@@ -321,11 +323,11 @@ class ContinuousSampler:
     otherwise compile as it goes."""
     e, sp = self.engine, self.sampling
     rows = self.per_group * self.groups
-    # Row i runs 1 + stage(i) chunks, stage(i) = log2(rows / (i + 1)): after each stage half
-    # the rows are left, so the running batch passes through every size.
+    # Row i runs 1 + stage(i) chunks, stage(i) = how many batch sizes (but the largest) exceed
+    # i / groups: as stages end, the rows left step down through every size.
     prompts = -(-rows // group_size)
-    i = np.arange(prompts * group_size)
-    stage = np.floor(np.log2(rows / np.minimum(i + 1, rows))).astype(np.int32)
+    sizes = np.asarray(self.batch_sizes()[:-1]) * self.groups
+    stage = (sizes[None] > np.arange(prompts * group_size)[:, None]).sum(axis=1)
     limits = np.minimum(1 + e.chunk * (1 + stage), sp.max_new_tokens).astype(np.int32)
     self(
       params, [[1] * prompt_len] * prompts, jax.random.key(0), group_size=group_size,
@@ -607,7 +609,8 @@ class _Rollout:
         self.pages.grow(s, self._reach(s))
       running.append(group)
     self.peak_pages = max(self.peak_pages, self.pages.in_use)
-    B = min(_pow2(max(map(len, running))), self.per_group)
+    busiest = max(map(len, running))
+    B = min(n for n in self.engine.batch_sizes() if n >= busiest)
     slots = np.full((R, B), self.per_group, np.int32)  # out of range: no row
     table = np.full((R, B, self.max_pages), paged.TRASH_PAGE, np.int32)
     rows = np.full((R, B), self.num_rows, np.int32)

@@ -30,8 +30,11 @@ Rules = Sequence[tuple[str, MeshAxes]]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # Expert parallelism: the experts' stacked axis is split over this mesh axis, which also splits
-# the batch (each device routes its own tokens; XLA moves the token rows to their experts' devices
-# and back). Meshes have it only when it is larger than 1 (`sharding.make_mesh`).
+# the batch. The experts rest sharded over it (memory), but the dispatch does not exchange
+# tokens: each device routes and sorts its own tokens and runs them against every expert of the
+# layer, gathered for the layer as FSDP gathers a dense layer's weights (`model._sorted_on_shards`;
+# the gradient is reduce-scattered back). Meshes have it only when it is larger than 1
+# (`sharding.make_mesh`).
 EXPERT_AXIS = "expert"
 
 # FSDP over the embedding dimension, tensor parallelism over heads / mlp / vocab.
