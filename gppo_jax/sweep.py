@@ -638,9 +638,10 @@ def _calibrate_cells(settings, todo, keys, entries, state, path, *, echo, target
   key = next(iter(keys.values()))
   seed, batches = key["seed"], key["batches"]
   reference = run_config(Run(seed, "f_eps", 1.0, REFERENCE), settings)
+  n = sum(map(len, todo.values()))
   echo(
-    f"{EQUAL_MASK}: calibrating {sum(map(len, todo.values()))} radii on the first update of seed "
-    f"{seed}" + (f" ({batches} rollout batches)" if batches > 1 else "")
+    f"{EQUAL_MASK}: calibrating {n} {'radius' if n == 1 else 'radii'} on the first update of "
+    f"seed {seed}" + (f" ({batches} rollout batches)" if batches > 1 else "")
   )
   with train.first_update(reference, batches) as first:
     max_len = first.run.spec.loss.max_len

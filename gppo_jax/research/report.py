@@ -489,8 +489,8 @@ def results_markdown(
     cells_rows = by_cell(grows)
     tag = group_tag(group)
     lines += ["", f"## Radius {tag}", ""]
-    lines += _calibration_section(every)
     lines += _cell_table(every, cells_rows)
+    lines += _calibration_section(every)
     items = comparisons(cells_rows)
     if items:
       lines += [
@@ -644,7 +644,7 @@ def _calibration_section(rows: Sequence[dict]) -> list[str]:
     if missed
     else "; every cell matched."
   )
-  return [head, "", *calibration_table(list(found.values())), ""]
+  return ["", head, "", *calibration_table(list(found.values()))]
 
 
 # Columns of the diagnostics table: (heading, per-estimator metric under diag/<estimator>/).
