@@ -3,6 +3,7 @@
   python -m gppo_jax.sweep                                           # the default sweep (below)
   python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --set rollout.staleness=2 --out w/stale
   python -m gppo_jax.sweep --cells grid --rules f_eps,equal_tv --scales 0.5,1,2 --seeds 0-3
+  python -m gppo_jax.sweep --cells grid,none --rules equal_mask --calibrate-only  # its radii only
   python -m gppo_jax.sweep --report-only --out workdirs/sweep       # rebuild the outputs only
   python -m gppo_jax.sweep --dry-run ...                             # print the commands only
 
@@ -16,8 +17,11 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           default_delta, PPO's contraction side; eps = --eps). `equal_tv`: delta_f = L_f(V), the
           radius whose TV radius (theory.tv_radius) is V, the TV radius of the reference cell tv_mc
           at that scale, so that all divergences are compared at the same geometric size.
-          --scales multiplies the delta (under equal_tv: tv_mc's delta, and the others follow its TV
-          radius). Presets scale their own radii; `none` has none.
+          `equal_mask`: the delta whose first update masks the same share of tokens as tv_mc's at
+          its f_eps delta, so that all cells are compared at the same effective size (below).
+          --scales multiplies the delta (under equal_tv and equal_mask: tv_mc's delta, and the
+          others follow its TV radius or its masked share). Presets scale their own radii under
+          every rule; `none` has none.
   seeds   --seeds 0-7 or 0,3,5. Common random numbers: config.seed fixes the prompt order
           (envs.BuiltinEnv draws its k-th batch of prompts from rng([seed, k]); a dataset's
           PromptIterator shuffles with the seed), the rollout and update keys (fold_in(PRNGKey(
@@ -37,6 +41,35 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           (the default), or one the evaluation logs as eval/<figure>: `avg@4` (sampled accuracy,
           4 samples per problem with the default eval.k), `pass@4`. Recorded in sweep.json like
           --task; `--report-only --metric avg@4` rebuilds a finished sweep's report on it.
+
+equal_mask, calibrated before the grid runs: the share is trust/masked_frac, what the runs log for
+the share of tokens whose gradient the trust region masks, averaged over the optimizer steps of
+the first update (iteration 1). train.first_update sets up seed 0's run as train does (its warm
+start, prompts and keys; warmstart.seed 0 under either --start), draws its first rollout batch
+once and reruns the first update from the same state at any radius (the run's compiled update,
+the radii an argument). The target is tv_mc's share at f(1 - eps) x scale; each other cell's
+delta starts at its own f_eps delta x scale and is multiplied or divided by 4 until the share
+crosses the target, then bisected on log delta (the share falls as delta grows) until it lies
+within 10% (relative) of the target; its time goes mostly to compiling each cell's update once
+(--calibration-batches N averages the first updates of N rollout batches of the starting policy:
+smoother shares on small batches, N times the updates). It runs in a child process
+(`--calibrate-only`, which also runs alone: compute and print, train nothing), is printed as a
+table (cell, delta found, share reached, target, matched) and cached in <out>/equal_mask.json,
+keyed by task, overrides, seed, batches, eps and scale: a rerun or an extended sweep computes only
+the cells it lacks, and every equal_mask run's sweep_run.json records its cell's calibration. A
+share no delta reaches (the estimator never masks that much even at a tiny delta, or masks too
+much even at a huge one, or the share jumps across the band at one delta: tokens with equal
+estimates, such as those of identical responses, cross a radius together) is not hidden: the cell
+runs at the closest delta found and is marked NOT MATCHED in the table, in results.md (beside its
+delta and in the calibration table of its radius), runs.csv (calibration_matched) and the sweep's
+final summary (not_matched). --dry-run prints the cached radii (a cell not yet calibrated: a
+comment line). Presets keep their own radii (scaled by --scales) under equal_mask: their losses
+differ from the grid's in more than the radius (advantages, aggregations, the sequence ratio, no
+mask), and the calibration sizes the grid's cells only. The math would allow the same search for
+the presets that mask tokens at finite radii: ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo (one
+factor on both radii, which keeps dapo's clip-higher ratio) and gspo (whose mask drops whole
+responses, so its share counts every token of a masked response); never for cispo, which masks
+nothing (infinite radius; its cap bounds the weight instead): its share is 0 at any radius.
 
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
@@ -997,18 +1030,27 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def calibration_argv(
+  settings: Settings, need: Mapping[float, Sequence[str]], batches: int = CALIBRATION_BATCHES
+) -> list[str]:
+  """The `python -m gppo_jax.sweep` arguments that calibrate `need` under `settings`: the same
+  folder, task, overrides, start, eps and metric (what sweep.json checks), --calibrate-only."""
+  cells = list(dict.fromkeys(c for cs in need.values() for c in cs))
+  argv = ["--calibrate-only", "--rules", EQUAL_MASK, "--cells", ",".join(cells)]
+  argv += ["--scales", ",".join(f"{s!r}" for s in need), "--eps", repr(settings.eps)]
+  argv += ["--start", settings.start, "--out", settings.out, "--calibration-batches", str(batches)]
+  argv += ["--task", settings.task] if settings.task else []
+  argv += ["--metric", settings.metric] if settings.metric != DEFAULT_METRIC else []
+  return argv + [x for o in settings.overrides for x in ("--set", o)]
+
+
 def launch_calibration(
   settings: Settings, need: Mapping[float, Sequence[str]], batches: int = CALIBRATION_BATCHES
 ) -> None:
   """Runs `calibrate` for `need` in a child process (`--calibrate-only`), as a run's JAX is kept
   out of the sweep's own process: its table goes to this process's output, its results to the
   folder's cache. ConfigError naming the failure when it does not finish."""
-  cells = list(dict.fromkeys(c for cs in need.values() for c in cs))
-  argv = ["--calibrate-only", "--rules", EQUAL_MASK, "--cells", ",".join(cells)]
-  argv += ["--scales", ",".join(f"{s!r}" for s in need), "--eps", repr(settings.eps)]
-  argv += ["--start", settings.start, "--out", settings.out, "--calibration-batches", str(batches)]
-  argv += ["--task", settings.task] if settings.task else []
-  argv += [x for o in settings.overrides for x in ("--set", o)]
+  argv = calibration_argv(settings, need, batches)
   sys.stdout.flush()
   proc = launch_process([sys.executable, "-m", "gppo_jax.sweep", *argv], None)
   try:

@@ -884,3 +884,48 @@ def test_equal_mask_commands_come_from_the_folders_calibration(tmp_path, capsys)
   assert "calibrated at launch" in capsys.readouterr().out.splitlines()[1]
   with pytest.raises(errors.ConfigError, match="no grid cell under --rules equal_mask"):
     sweep.main(["--calibrate-only", "--cells", "kl_mc", "--out", str(tmp_path)])
+  # The child the sweep launches calibrates under the sweep's own settings (its sweep.json).
+  settings = sweep.Settings(
+    str(tmp_path), ("optim.lr=1e-3",), "shared", 0.3, "wordchain", "avg@4"
+  )  # fmt: skip
+  need = {1.0: ["tv_mc", "kl_mc"], 0.5: ["tv_mc", "kl_mc"]}
+  a = sweep.parser().parse_args(sweep.calibration_argv(settings, need, 3))
+  assert a.calibrate_only and a.calibration_batches == 3 and a.out == str(tmp_path)
+  assert (tuple(a.set), a.start, a.eps, a.task, a.metric) == settings_fields(settings)
+  runs = sweep.expand(sweep.parse_cells(a.cells), sweep.parse_rules(a.rules),
+                      sweep.parse_scales(a.scales), [0])  # fmt: skip
+  assert sweep.calibration_needs(runs) == need
+
+
+def settings_fields(s: sweep.Settings):
+  return s.overrides, s.start, s.eps, s.task, s.metric
+
+
+def test_a_real_equal_mask_sweep_calibrates_in_a_child_then_trains(tmp_path):
+  """The command line: the calibration runs in a child process before the run, its radius is the
+  run's, results.md reports it, and the same command again reuses the cached calibration."""
+  cmd = [sys.executable, "-m", "gppo_jax.sweep", "--cells", "kl_atomic", "--seeds", "0"]
+  cmd += ["--rules", "equal_mask", "--out", str(tmp_path)]
+  cmd += [x for o in TINY_WARM for x in ("--set", o)]
+  env = conftest.one_device_env()
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert "equal_mask: calibrating 1 radius on the first update of seed 0" in p.stdout
+  cal = json.load(open(tmp_path / sweep.CALIBRATION_FILE))["calibrations"][0]["cells"]["kl_atomic"]
+  assert f"| kl_atomic | {cal['delta']:.4g} |" in p.stdout
+  name = "kl_atomic__equal_mask_x1__s0"
+  config = json.load(open(tmp_path / "runs" / name / "config.json"))
+  assert config["loss"]["delta_low"] == config["loss"]["delta_high"] == cal["delta"]
+  record = json.load(open(tmp_path / "runs" / name / sweep.RECORD))
+  assert record["calibration"] == cal
+  first = [json.loads(x) for x in open(tmp_path / "runs" / name / "metrics.jsonl")][1]
+  assert first["trust/masked_frac"] == pytest.approx(cal["share"], abs=1e-6)  # the run's own
+  text = (tmp_path / "results.md").read_text()
+  assert "## Radius equal_mask_x1" in text and "Radii calibrated (equal_mask)" in text
+  assert '"not_matched": []' in p.stdout or not cal["matched"]
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert (
+    "calibrating" not in p.stdout and f"cached in {tmp_path / sweep.CALIBRATION_FILE}" in p.stdout
+  )
+  assert "reusing 1 finished runs of 1" in p.stdout
