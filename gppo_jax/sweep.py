@@ -3,6 +3,7 @@
   python -m gppo_jax.sweep                                           # the default sweep (below)
   python -m gppo_jax.sweep --cells kl_atomic,tv_mc,none --set rollout.staleness=2 --out w/stale
   python -m gppo_jax.sweep --cells grid --rules f_eps,equal_tv --scales 0.5,1,2 --seeds 0-3
+  python -m gppo_jax.sweep --cells grid,none --rules equal_mask --calibrate-only  # its radii only
   python -m gppo_jax.sweep --report-only --out workdirs/sweep       # rebuild the outputs only
   python -m gppo_jax.sweep --dry-run ...                             # print the commands only
 
@@ -16,8 +17,11 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           default_delta, PPO's contraction side; eps = --eps). `equal_tv`: delta_f = L_f(V), the
           radius whose TV radius (theory.tv_radius) is V, the TV radius of the reference cell tv_mc
           at that scale, so that all divergences are compared at the same geometric size.
-          --scales multiplies the delta (under equal_tv: tv_mc's delta, and the others follow its TV
-          radius). Presets scale their own radii; `none` has none.
+          `equal_mask`: the delta whose first update masks the same share of tokens as tv_mc's at
+          its f_eps delta, so that all cells are compared at the same effective size (below).
+          --scales multiplies the delta (under equal_tv and equal_mask: tv_mc's delta, and the
+          others follow its TV radius or its masked share). Presets scale their own radii under
+          every rule; `none` has none.
   seeds   --seeds 0-7 or 0,3,5. Common random numbers: config.seed fixes the prompt order
           (envs.BuiltinEnv draws its k-th batch of prompts from rng([seed, k]); a dataset's
           PromptIterator shuffles with the seed), the rollout and update keys (fold_in(PRNGKey(
@@ -37,6 +41,35 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           (the default), or one the evaluation logs as eval/<figure>: `avg@4` (sampled accuracy,
           4 samples per problem with the default eval.k), `pass@4`. Recorded in sweep.json like
           --task; `--report-only --metric avg@4` rebuilds a finished sweep's report on it.
+
+equal_mask, calibrated before the grid runs: the share is trust/masked_frac, what the runs log for
+the share of tokens whose gradient the trust region masks, averaged over the optimizer steps of
+the first update (iteration 1). train.first_update sets up seed 0's run as train does (its warm
+start, prompts and keys; warmstart.seed 0 under either --start), draws its first rollout batch
+once and reruns the first update from the same state at any radius (the run's compiled update,
+the radii an argument). The target is tv_mc's share at f(1 - eps) x scale; each other cell's
+delta starts at its own f_eps delta x scale and is multiplied or divided by 4 until the share
+crosses the target, then bisected on log delta (the share falls as delta grows) until it lies
+within 10% (relative) of the target; its time goes mostly to compiling each cell's update once
+(--calibration-batches N averages the first updates of N rollout batches of the starting policy:
+smoother shares on small batches, N times the updates). It runs in a child process
+(`--calibrate-only`, which also runs alone: compute and print, train nothing), is printed as a
+table (cell, delta found, share reached, target, matched) and cached in <out>/equal_mask.json,
+keyed by task, overrides, seed, batches, eps and scale: a rerun or an extended sweep computes only
+the cells it lacks, and every equal_mask run's sweep_run.json records its cell's calibration. A
+share no delta reaches (the estimator never masks that much even at a tiny delta, or masks too
+much even at a huge one, or the share jumps across the band at one delta: tokens with equal
+estimates, such as those of identical responses, cross a radius together) is not hidden: the cell
+runs at the closest delta found and is marked NOT MATCHED in the table, in results.md (beside its
+delta and in the calibration table of its radius), runs.csv (calibration_matched) and the sweep's
+final summary (not_matched). --dry-run prints the cached radii (a cell not yet calibrated: a
+comment line). Presets keep their own radii (scaled by --scales) under equal_mask: their losses
+differ from the grid's in more than the radius (advantages, aggregations, the sequence ratio, no
+mask), and the calibration sizes the grid's cells only. The math would allow the same search for
+the presets that mask tokens at finite radii: ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo (one
+factor on both radii, which keeps dapo's clip-higher ratio) and gspo (whose mask drops whole
+responses, so its share counts every token of a masked response); never for cispo, which masks
+nothing (infinite radius; its cap bounds the weight instead): its share is 0 at any radius.
 
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
@@ -72,7 +105,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,7 +113,9 @@ import numpy as np
 from gppo_jax import errors, files
 from gppo_jax.algorithm import presets
 from gppo_jax.research.report import (
+  CALIBRATION_FILE,
   DEFAULT_METRIC,
+  EQUAL_MASK,
   GRID,
   INF,
   NONE,
@@ -89,6 +124,7 @@ from gppo_jax.research.report import (
   REFERENCE,
   RULES,
   SWEEP_FILE,
+  calibration_table,
   duration,
   now,
   parse_metric,
@@ -114,7 +150,7 @@ class Run:
   """One training run of the sweep: a cell at a radius (rule, scale) under a seed."""
 
   seed: int
-  rule: str  # f_eps | equal_tv for grid cells, OWN for presets, INF for none
+  rule: str  # f_eps | equal_tv | equal_mask for grid cells, OWN for presets, INF for none
   scale: float
   cell: str
 
@@ -137,6 +173,8 @@ class Settings:
   eps: float = 0.2
   task: str = ""  # a built-in task selected with the config argument task=NAME ("" = the base's)
   metric: str = DEFAULT_METRIC  # the held-out figure the report ranks by (report.parse_metric)
+  # equal_mask: {(cell, scale): its calibration (`calibrate`), whose "delta" the runs use}
+  calibration: Mapping[tuple[str, float], dict] = dataclasses.field(default_factory=dict)
 
   @property
   def config(self) -> str:
@@ -281,14 +319,24 @@ def equal_tv_delta(divergence: str, tv: float) -> float:
   return delta
 
 
-def radii(run: Run, eps: float = 0.2) -> tuple[float, float]:
-  """(delta_low, delta_high) of a run."""
+def radii(
+  run: Run, eps: float = 0.2, calibration: Mapping[tuple[str, float], dict] | None = None
+) -> tuple[float, float]:
+  """(delta_low, delta_high) of a run; under equal_mask the delta of `calibration` (`calibrate`)."""
   if run.cell == NONE:
     return math.inf, math.inf
   if run.cell not in GRID:
     low, high = presets.get(run.cell).loss.radii
     return run.scale * low, run.scale * high
   divergence = run.cell.split("_")[0]
+  if run.rule == EQUAL_MASK:
+    found = (calibration or {}).get((run.cell, run.scale))
+    if found is None:
+      raise ValueError(
+        f"{run.name}: the {EQUAL_MASK} delta of {run.cell} at scale {run.scale:g} is not "
+        "calibrated (sweep.calibrate)"
+      )
+    return float(found["delta"]), float(found["delta"])
   if run.rule == "f_eps":
     delta = run.scale * presets.default_delta(divergence, eps)
   else:
@@ -368,7 +416,7 @@ def train_args(run: Run, settings: Settings) -> list[str]:
   divergence, estimator and radii), its advantage, then the sweep's overrides."""
   preset = _preset(run.cell)
   base = _base_config(settings.task)
-  low, high = radii(run, settings.eps)
+  low, high = radii(run, settings.eps, settings.calibration)
   args = [
     f"--config={settings.config}",
     f"--config.seed={run.seed}",
@@ -400,6 +448,271 @@ def command(run: Run, settings: Settings) -> list[str]:
 
 def run_dir(out: str, run: Run) -> str:
   return os.path.join(out, "runs", run.name)
+
+
+# --- equal_mask: radii calibrated on the first update --------------------------------------------
+
+MASK_METRIC = "trust/masked_frac"  # the first update's share of tokens the trust region masks
+MASK_TOLERANCE = 0.1  # relative: a cell matches when |share - target| <= 10% of the target
+CALIBRATION_SEED = 0  # the run seed (prompts, keys) and warm start the calibration draws on
+CALIBRATION_BATCHES = 1  # the rollout batches whose first updates it averages
+
+
+def calibration_needs(runs: Iterable[Run]) -> dict[float, list[str]]:
+  """{scale: the grid cells to calibrate} of the equal_mask runs, tv_mc (the target) first."""
+  need: dict[float, list[str]] = {}
+  for run in runs:
+    if run.rule == EQUAL_MASK and run.cell in GRID:
+      need.setdefault(run.scale, [])
+      if run.cell not in need[run.scale]:
+        need[run.scale].append(run.cell)
+  return {s: sorted(c, key=lambda c: c != REFERENCE) for s, c in need.items()}
+
+
+def calibration_key(
+  settings: Settings,
+  scale: float,
+  *,
+  seed: int = CALIBRATION_SEED,
+  batches: int = CALIBRATION_BATCHES,
+  target: float | None = None,
+) -> dict[str, Any]:
+  """What a calibration depends on: the task and overrides (the runs' config), the seed and its
+  starting policy, the rollout batches, the reference radius (eps, scale), the metric and the
+  tolerance; an explicit `target` share in place of tv_mc's too."""
+  key = {
+    "task": settings.task,
+    "overrides": list(settings.overrides),
+    "seed": seed,
+    "warmstart_seed": settings.start_seed(seed),
+    "batches": batches,
+    "eps": settings.eps,
+    "scale": scale,
+    "metric": MASK_METRIC,
+    "tolerance": MASK_TOLERANCE,
+  }
+  if target is not None:
+    key["target"] = target
+  return key
+
+
+def _calibration_entry(entries: list[dict], key: dict[str, Any]) -> dict:
+  """The entry of `key` in the cache's list, appended empty if it has none."""
+  for entry in entries:
+    if entry.get("key") == key:
+      return entry
+  entry = {"key": key, "cells": {}}
+  entries.append(entry)
+  return entry
+
+
+def cached_calibration(
+  settings: Settings, need: Mapping[float, Sequence[str]], **key: Any
+) -> dict[tuple[str, float], dict]:
+  """{(cell, scale): calibration} of the cells of `need` that the sweep folder's cache holds
+  (`key`: calibration_key's keyword arguments)."""
+  entries = (read_json(os.path.join(settings.out, CALIBRATION_FILE)) or {}).get("calibrations", [])
+  out = {}
+  for scale, cells in need.items():
+    entry = _calibration_entry(list(entries), calibration_key(settings, scale, **key))
+    out.update({(c, scale): entry["cells"][c] for c in cells if c in entry["cells"]})
+  return out
+
+
+def search_delta(
+  share: Callable[[float], float],
+  target: float,
+  start: float,
+  *,
+  tolerance: float = MASK_TOLERANCE,
+  factor: float = 4.0,
+  max_widen: int = 12,
+  max_halve: int = 30,
+) -> dict[str, Any]:
+  """The delta whose `share(delta)` lies within `tolerance` (relative) of `target`.
+
+  The share of tokens a trust region masks falls as its radius grows (at a fixed policy exactly;
+  along an update nearly: the policy's path depends on what was masked before). From `start`,
+  delta is multiplied or divided by `factor` until the share crosses the target's band (at most
+  `max_widen` times), then the bracket is bisected on log delta (at most `max_halve` times).
+  Returns {delta, share, matched, evaluations, note}: the first delta within the band, or else
+  the closest one tried, with `note` saying why none matched (the share stays on one side of the
+  band even at the widest delta tried, or jumps across it between two deltas: tokens whose
+  estimates are equal, such as those of identical responses, cross a radius together)."""
+  tried: list[tuple[float, float]] = []
+  band = (target * (1 - tolerance), target * (1 + tolerance))
+
+  def measure(delta: float) -> float:
+    value = float(share(delta))
+    tried.append((delta, value))
+    return value
+
+  def within(value: float) -> bool:
+    return band[0] <= value <= band[1]
+
+  def result(note: str = "") -> dict[str, Any]:
+    i = min(range(len(tried)), key=lambda i: (abs(tried[i][1] - target), i))
+    delta, value = tried[i]
+    return dict(delta=delta, share=value, matched=within(value), evaluations=len(tried), note=note)
+
+  value = measure(start)
+  if within(value):
+    return result()
+  wider = value > band[1]  # masks too much: a larger radius
+  low, high = (start, None) if wider else (None, start)  # masks too much / too little
+  delta = start
+  for _ in range(max_widen):
+    delta = delta * factor if wider else delta / factor
+    value = measure(delta)
+    if within(value):
+      return result()
+    if value > band[1]:
+      low = delta
+    else:
+      high = delta
+    if low is not None and high is not None:
+      break
+  else:
+    side = "more" if wider else "less"
+    return result(f"unreachable: masks {side} than the target even at delta {delta:.3g}")
+  for _ in range(max_halve):
+    if high / low < 1 + 1e-6:
+      break
+    mid = math.sqrt(low * high)
+    value = measure(mid)
+    if within(value):
+      return result()
+    if value > band[1]:
+      low = mid
+    else:
+      high = mid
+  shares = dict(tried)
+  return result(
+    f"no delta reaches it: the share jumps from {100 * shares[low]:.3g}% at delta {low:.6g} "
+    f"to {100 * shares[high]:.3g}% at {high:.6g}"
+  )
+
+
+def run_config(run: Run, settings: Settings):
+  """The training config the run's command line builds (train's own flag parsing)."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  argv = ["gppo_jax.train", *train_args(run, settings)]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+def calibrate(
+  settings: Settings,
+  need: Mapping[float, Sequence[str]],
+  *,
+  echo: Callable[[str], None] = print,
+  seed: int = CALIBRATION_SEED,
+  batches: int = CALIBRATION_BATCHES,
+  target: float | None = None,
+) -> dict[tuple[str, float], dict]:
+  """The equal_mask delta of every (cell, scale) of `need`: returns {(cell, scale): {delta,
+  share, target, matched, note, ...}} and prints a table per scale.
+
+  The target is the masked share (MASK_METRIC) of tv_mc's first update at its f_eps delta times
+  the scale (or `target`, given). A cell's share at a delta is that of the first update of
+  `seed`'s run (its warm start, prompts and keys; with `batches` > 1 the mean over the first
+  updates of that many rollout batches of the starting policy), computed by train.first_update:
+  the trainer's own set-up, rollout and compiled update, under the cell's loss; the same rollouts
+  serve every cell. `search_delta` finds the delta within MASK_TOLERANCE of the target, starting
+  from the cell's f_eps delta times the scale. Results are cached in the sweep folder
+  (CALIBRATION_FILE, under `calibration_key`) and reused: only missing cells are computed, each
+  saved as soon as it is found."""
+  path = os.path.join(settings.out, CALIBRATION_FILE)
+  state = read_json(path) or {}
+  entries = state.setdefault("calibrations", [])
+  keys = {
+    scale: calibration_key(settings, scale, seed=seed, batches=batches, target=target)
+    for scale in need
+  }
+  todo = {
+    scale: [c for c in cells if c not in _calibration_entry(entries, keys[scale])["cells"]]
+    for scale, cells in need.items()
+  }
+  if any(todo.values()):
+    _calibrate_cells(settings, todo, keys, entries, state, path, echo=echo, target=target)
+  found = {}
+  for scale, cells in need.items():
+    entry = _calibration_entry(entries, keys[scale])
+    results = [entry["cells"][c] for c in cells]
+    found.update({(c, scale): entry["cells"][c] for c in cells})
+    missed = [r["cell"] for r in results if not r["matched"]]
+    echo(
+      f"{EQUAL_MASK} radii (task {entry['task_name']}, seed {seed}"
+      + (f", {batches} rollout batches" if batches > 1 else "")
+      + f", scale {scale:g}; {'saved to' if todo[scale] else 'cached in'} {path}): target = "
+      + (
+        "given"
+        if target is not None
+        else f"{REFERENCE}'s first-update masked share at delta {entry['reference_delta']:.4g}"
+      )
+      + (f"; NOT MATCHED: {', '.join(missed)} (run at the closest delta)" if missed else "")
+    )
+    for line in calibration_table(results):
+      echo(line)
+  return found
+
+
+def _calibrate_cells(settings, todo, keys, entries, state, path, *, echo, target) -> None:
+  """Computes the cells of `todo` ({scale: cells}) into their `entries` (keys[scale]) and saves
+  `state` (the cache file's content) to `path` after each."""
+  from gppo_jax import train  # noqa: PLC0415 (JAX only when calibrating)
+  from gppo_jax.algorithm import objective  # noqa: PLC0415
+
+  t0 = time.time()
+  key = next(iter(keys.values()))
+  seed, batches = key["seed"], key["batches"]
+  reference = run_config(Run(seed, "f_eps", 1.0, REFERENCE), settings)
+  n = sum(map(len, todo.values()))
+  echo(
+    f"{EQUAL_MASK}: calibrating {n} {'radius' if n == 1 else 'radii'} on the first update of "
+    f"seed {seed}" + (f" ({batches} rollout batches)" if batches > 1 else "")
+  )
+  with train.first_update(reference, batches) as first:
+    max_len = first.run.spec.loss.max_len
+
+    def loss_of(cell: str, scale: float) -> objective.LossConfig:
+      config = run_config(Run(seed, "f_eps", scale, cell), settings)
+      if {**config.to_dict(), "loss": None} != {**reference.to_dict(), "loss": None}:
+        raise ValueError(f"{cell}: its runs differ from {REFERENCE}'s outside the loss")
+      return objective.LossConfig.from_config(config.loss, max_len)
+
+    def share_at(loss: objective.LossConfig) -> Callable[[float], float]:
+      return lambda d: first.metrics(loss.replace(delta_low=d, delta_high=d))[MASK_METRIC]
+
+    for scale, cells in todo.items():
+      entry = _calibration_entry(entries, keys[scale])
+      ref_loss = loss_of(REFERENCE, scale)
+      ref_delta = float(ref_loss.delta_low)
+      if "target" not in entry:
+        entry["task_name"] = reference.task.name
+        entry["reference_delta"] = ref_delta
+        entry["target"] = share_at(ref_loss)(ref_delta) if target is None else target
+      for cell in cells:
+        t = time.time()
+        loss = loss_of(cell, scale)
+        if cell == REFERENCE and target is None:  # the target itself
+          found = dict(delta=ref_delta, share=entry["target"], matched=True, evaluations=1)
+        else:
+          found = search_delta(share_at(loss), entry["target"], float(loss.delta_low))
+        entry["cells"][cell] = {
+          "cell": cell,
+          "note": "",
+          **found,
+          "target": entry["target"],
+          "tolerance": MASK_TOLERANCE,
+          "seconds": round(time.time() - t, 2),
+        }
+        _write_json(path, state)  # each cell as it is found: a stop keeps what was done
+  echo(f"{EQUAL_MASK}: calibrated in {duration(time.time() - t0)}")
 
 
 # --- Run folders --------------------------------------------------------------------------------
@@ -536,6 +849,8 @@ def execute(
       "exit": None,
       "started": now(),
     }
+    if run.rule == EQUAL_MASK:  # how its radius was found, for the report
+      record["calibration"] = settings.calibration[run.cell, run.scale]
     _write_json(os.path.join(path, RECORD), record)
     log = open(os.path.join(path, LOG), "a")
     log.write(f"\n# {now()} attempt {record['attempts']}: {' '.join(cmd)}\n")
@@ -699,7 +1014,56 @@ def parser() -> argparse.ArgumentParser:
     "are listed apart in results.md and left out)",
   )
   p.add_argument("--dry-run", action="store_true", help="print each run's command; run nothing")
+  p.add_argument(
+    "--calibrate-only",
+    action="store_true",
+    help=f"compute (or read from --out's {CALIBRATION_FILE}) and print the {EQUAL_MASK} radii of "
+    "the grid cells in --cells at each --scales; train nothing",
+  )
+  p.add_argument(
+    "--calibration-batches",
+    type=int,
+    default=CALIBRATION_BATCHES,
+    help=f"{EQUAL_MASK}: the rollout batches of the starting policy whose first updates the "
+    f"calibration averages (default {CALIBRATION_BATCHES}: seed {CALIBRATION_SEED}'s first update)",
+  )
   return p
+
+
+def calibration_argv(
+  settings: Settings, need: Mapping[float, Sequence[str]], batches: int = CALIBRATION_BATCHES
+) -> list[str]:
+  """The `python -m gppo_jax.sweep` arguments that calibrate `need` under `settings`: the same
+  folder, task, overrides, start, eps and metric (what sweep.json checks), --calibrate-only."""
+  cells = list(dict.fromkeys(c for cs in need.values() for c in cs))
+  argv = ["--calibrate-only", "--rules", EQUAL_MASK, "--cells", ",".join(cells)]
+  argv += ["--scales", ",".join(f"{s!r}" for s in need), "--eps", repr(settings.eps)]
+  argv += ["--start", settings.start, "--out", settings.out, "--calibration-batches", str(batches)]
+  argv += ["--task", settings.task] if settings.task else []
+  argv += ["--metric", settings.metric] if settings.metric != DEFAULT_METRIC else []
+  return argv + [x for o in settings.overrides for x in ("--set", o)]
+
+
+def launch_calibration(
+  settings: Settings, need: Mapping[float, Sequence[str]], batches: int = CALIBRATION_BATCHES
+) -> None:
+  """Runs `calibrate` for `need` in a child process (`--calibrate-only`), as a run's JAX is kept
+  out of the sweep's own process: its table goes to this process's output, its results to the
+  folder's cache. ConfigError naming the failure when it does not finish."""
+  argv = calibration_argv(settings, need, batches)
+  sys.stdout.flush()
+  proc = launch_process([sys.executable, "-m", "gppo_jax.sweep", *argv], None)
+  try:
+    code = proc.wait()
+  except BaseException:  # Ctrl-C or a stop signal: the child runs in its own session
+    proc.terminate()
+    proc.wait()
+    raise
+  if code != 0:
+    raise errors.ConfigError(
+      f"the {EQUAL_MASK} calibration stopped with exit status {code} (its output is above; "
+      f"rerun it alone: python -m gppo_jax.sweep {' '.join(argv)})"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -719,13 +1083,45 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs = expand(
     parse_cells(a.cells), parse_rules(a.rules), parse_scales(a.scales), parse_seeds(a.seeds)
   )
+  need = calibration_needs(runs)
+  if a.calibration_batches < 1:
+    raise errors.ConfigError(f"--calibration-batches must be >= 1, got {a.calibration_batches}")
+  batches = a.calibration_batches
+  if a.calibrate_only and not need:
+    raise errors.ConfigError(
+      f"--calibrate-only: no grid cell under --rules {EQUAL_MASK} (--cells {a.cells}, "
+      f"--rules {a.rules}): nothing to calibrate"
+    )
   if a.dry_run:
+    cached = cached_calibration(settings, need, batches=batches)
+    settings = dataclasses.replace(settings, calibration=cached)
     for run in runs:
+      if run.rule == EQUAL_MASK and (run.cell, run.scale) not in settings.calibration:
+        print(f"# {run.name}: its {EQUAL_MASK} delta is calibrated at launch (--calibrate-only)")
+        continue
       print(" ".join(command(run, settings)))
     return 0
   sweep = check_sweep_folder(settings)
   os.makedirs(out, exist_ok=True)
   _write_json(os.path.join(out, SWEEP_FILE), sweep)
+  complete = len(cached_calibration(settings, need, batches=batches)) == sum(
+    map(len, need.values())
+  )
+  if a.calibrate_only:
+    if not complete:  # this process computes it: set up JAX as train's main does
+      from gppo_jax.trainer import experiment  # noqa: PLC0415
+
+      experiment.keep_cpu_memory()  # before anything starts a JAX backend
+      experiment.use_compilation_cache()
+    calibrate(settings, need, echo=lambda s: print(s, flush=True), batches=batches)
+    return 0
+  if need:
+    if complete:  # the cached tables
+      calibrate(settings, need, echo=lambda s: print(s, flush=True), batches=batches)
+    else:
+      launch_calibration(settings, need, batches)  # prints its tables
+    cached = cached_calibration(settings, need, batches=batches)
+    settings = dataclasses.replace(settings, calibration=cached)
   print(
     f"{len(runs)} runs ({len({r.cell for r in runs})} cells, {len({r.seed for r in runs})} seeds, "
     f"radii {sorted({r.radius for r in runs})}), {a.jobs} at a time, start {a.start}; overrides "
@@ -746,7 +1142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"stopped ({stopped}); rerun the same command to resume", flush=True)
     return 130
   bad = {r.name: s for r, s in status.items() if s != "done"}
-  print(json.dumps({**paths, "elapsed_s": round(time.time() - t0, 1), "not_done": bad}, indent=2))
+  result = {**paths, "elapsed_s": round(time.time() - t0, 1), "not_done": bad}
+  if need:  # equal_mask cells whose calibration missed its target, said again at the end
+    result["not_matched"] = sorted(
+      f"{cell} x{scale:g}" for (cell, scale), c in settings.calibration.items() if not c["matched"]
+    )
+  print(json.dumps(result, indent=2))
   return 1 if bad else 0
 
 

@@ -138,6 +138,9 @@ class Run:
   # rollout.staleness = k > 0: the parameters before each of the last k updates, oldest first;
   # iteration t samples with the oldest (theta_{t-k}, theta_0 while t < k). Saved in checkpoints.
   behaviour: list = dataclasses.field(default_factory=list)
+  # probe(spec) -> jit(state, batch, rng, radii) -> the update's metrics at radii
+  # (delta_low, delta_high) given as an argument, the state not donated (_jit_first_update).
+  probe: Callable | None = None
 
   @functools.cached_property
   def seed_key(self) -> jax.Array:
@@ -174,13 +177,16 @@ class Run:
 
 
 def _set_up(
-  config, workdir: str, checkpoint_dir: str, stack: contextlib.ExitStack
+  config, workdir: str | None, checkpoint_dir: str | None, stack: contextlib.ExitStack
 ) -> tuple[Run, Any]:
   """The run and its initial state: checkpoints first (a resume skips the warm start), then the
-  policy, the environment, the optimizer and the compiled functions, on the configured mesh."""
-  mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
-  stack.callback(mngr.close)  # every exit path lets pending writes complete
-  resuming = mngr.latest_step() is not None
+  policy, the environment, the optimizer and the compiled functions, on the configured mesh.
+  checkpoint_dir None: no checkpoint manager (run.mngr None), a fresh start."""
+  mngr = None  # no checkpoint_dir: nothing is saved or restored (first_update)
+  if checkpoint_dir is not None:
+    mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
+    stack.callback(mngr.close)  # every exit path lets pending writes complete
+  resuming = mngr is not None and mngr.latest_step() is not None
   mesh = sharding.make_mesh(config.mesh)
   # The KL penalty's reference is the initial policy, so a resume rebuilds it (deterministically).
   need_init = not resuming or config.loss.kl_coef > 0
@@ -208,6 +214,7 @@ def _set_up(
     config.model.get("cpu_matmul", "auto"), model_cfg.hidden_size, mesh.devices.flat[0].platform
   )
   update = _jit_update(graphdef, tx, spec, state_sh, batch_sh, options)
+  probe = functools.partial(_jit_first_update, graphdef, tx, state_sh=state_sh, batch_sh=batch_sh)
   _check_group_split(config, spec, mesh)
   run = Run(
     config=config,
@@ -226,6 +233,7 @@ def _set_up(
     rows=sharding.process_rows(r.prompts_per_iter * r.group_size, mesh),
     diagnose=_diagnostics_fn(config, graphdef, spec),
     history={"warm_start": warm_info},
+    probe=functools.partial(probe, compiler_options=options),
   )
   if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
     run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
@@ -247,6 +255,38 @@ def _jit_update(
 ) -> Callable:
   update_fn = train_step.make_update_fn(graphdef, tx, spec)
   return sharding.jit_update(update_fn, state_sh, batch_sh, compiler_options=compiler_options)
+
+
+# The first-update probe runs each program a few times, so on CPU it compiles without LLVM's
+# optimisation passes (as the tests do): a shorter compile of the same operations, each run slower.
+PROBE_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+@sharding.reuse
+def _jit_first_update(
+  graphdef, tx, spec: train_step.UpdateSpec, *, state_sh, batch_sh, compiler_options=None
+) -> Callable:
+  """jit(state, batch, rng, radii) -> the metrics of the update of `spec` (make_update_fn, as
+  `_jit_update` compiles it) with the loss's (delta_low, delta_high) replaced by `radii`, a
+  float32 [2] argument: one program serves every radius. The state is not donated and the new
+  state not returned, so each call starts from the same state (first_update)."""
+  mesh = jax.tree.leaves(state_sh)[0].mesh
+  rep = sharding.replicated(mesh)
+
+  def metrics(state, batch, rng, radii):
+    loss = spec.loss.replace(delta_low=radii[0], delta_high=radii[1])
+    update_fn = train_step.make_update_fn(graphdef, tx, dataclasses.replace(spec, loss=loss))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # for constrain_batch inside
+      return update_fn(state, batch, rng)[1]
+
+  return jax.jit(
+    metrics,
+    in_shardings=(state_sh, batch_sh, rep, rep),
+    out_shardings=rep,
+    compiler_options={**(compiler_options or {}), **PROBE_CPU_COMPILER_OPTIONS}
+    if mesh.devices.flat[0].platform == "cpu"
+    else compiler_options,
+  )
 
 
 @sharding.reuse
@@ -311,11 +351,12 @@ def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: 
   return batch.replace(mask=mask, is_weight=weight if weight is not None else batch.is_weight)
 
 
-def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
-  """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
-  Returns the new state and the iteration's metrics (time/* for each phase)."""
+def _update_batch(run: Run, state, iteration: int):
+  """The host-side batch the update of `iteration` trains on: the rollout (with the optional
+  trim) and the optional log-prob passes. Returns (batch, metrics, behaviour parameters,
+  (t0, t1, t2): the start, the rollout's end and the log-prob passes' end)."""
   t0 = time.perf_counter()
-  rollout_key, update_key = run.keys(iteration)
+  rollout_key, _ = run.keys(iteration)
   # The behaviour policy: the learner itself, or with rollout.staleness = k the learner k updates
   # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
   behaviour = run.behaviour[0] if run.behaviour else state.params
@@ -352,7 +393,14 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     if run.ref_params is not None:
       ref_logp = run.logprobs(state.policy(run.ref_params), on_devices)
       batch = batch.replace(ref_logp=sharding.to_host(ref_logp))
-  t2 = time.perf_counter()
+  return batch, metrics, behaviour, (t0, t1, time.perf_counter())
+
+
+def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
+  """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
+  Returns the new state and the iteration's metrics (time/* for each phase)."""
+  batch, metrics, behaviour, (t0, t1, t2) = _update_batch(run, state, iteration)
+  _, update_key = run.keys(iteration)
   on_devices = run.to_devices(batch)
   every = run.config.diagnostics.every
   diagnose = run.diagnose is not None and (iteration + 1) % every == 0
@@ -388,6 +436,63 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     }
   )
   return state, metrics
+
+
+# --- The first update at any radius (the sweep's equal_mask calibration) ------------------------
+
+
+class FirstUpdate:
+  """A fresh run's first update, repeatable under any loss (built by `first_update`).
+
+  The run is set up as train_and_evaluate sets it up (the same warm start, environment, prompts
+  and random keys; no workdir, checkpoints or evaluation) and the rollout batch of iteration 1 is
+  drawn once (with `batches` = k > 1, those of iterations 1..k, each from the initial policy;
+  `batch_metrics`: their rollout/* figures). `metrics(loss)` runs the update on each batch from
+  the initial state with its iteration's update key under `loss` (a LossConfig that needs the
+  same batch fields as the config's) and returns the summary (`summarize_update_metrics`:
+  trust/masked_frac and the rest), as the run would log it for iteration 1 with that loss (k > 1:
+  the mean over the batches). Nothing is donated, so every call starts from the same state; one
+  program is compiled per loss apart from its radii (`_jit_first_update`)."""
+
+  def __init__(self, run: Run, state, batches: list[train_step.Batch], batch_metrics: list[dict]):
+    self.run, self.state = run, state
+    self.batches = [run.to_devices(b) for b in batches]
+    self.keys = [run.keys(i)[1] for i in range(len(batches))]
+    self.batch_metrics = _mean_metrics(batch_metrics)
+
+  def metrics(self, loss) -> dict[str, float]:
+    spec = dataclasses.replace(self.run.spec, loss=loss.replace(delta_low=1.0, delta_high=None))
+    if (spec.use_topk, spec.use_ref_logp) != (self.run.spec.use_topk, self.run.spec.use_ref_logp):
+      raise ValueError(
+        f"loss {loss} needs other batch fields (top-K, reference log-probs) than the config's "
+        f"loss {self.run.spec.loss}: set up the first update with its config"
+      )
+    update = self.run.probe(spec)
+    radii = jnp.asarray([float(r) for r in loss.radii], jnp.float32)
+    out = [
+      update(self.state, b, key, radii) for b, key in zip(self.batches, self.keys, strict=True)
+    ]
+    return _mean_metrics([train_step.summarize_update_metrics(m) for m in jax.device_get(out)])
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+  if len(rows) == 1:
+    return rows[0]
+  return {k: float(np.mean([r[k] for r in rows if k in r])) for k in rows[0]}
+
+
+@contextlib.contextmanager
+def first_update(config: ml_collections.ConfigDict, batches: int = 1):
+  """The first update of a fresh run of `config`, as a `FirstUpdate` over `batches` rollout
+  batches (a context manager: the environment's workers are closed at its end)."""
+  if batches < 1:
+    raise ValueError(f"batches must be >= 1, got {batches}")
+  config_lib.validate(config)
+  experiment.check_inputs(config)
+  with contextlib.ExitStack() as stack:
+    run, state = _set_up(config, None, None, stack)
+    drawn = [_update_batch(run, state, i)[:2] for i in range(batches)]
+    yield FirstUpdate(run, state, [b for b, _ in drawn], [m for _, m in drawn])
 
 
 class _ProfileWindow:

@@ -4,6 +4,7 @@ sweep launches, reading run folders back, the outputs, resuming, and one real ti
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -243,9 +244,11 @@ def fake_run(
     "wall_s": seconds,
     "exit": 0,
   }
+  if run.rule == sweep.EQUAL_MASK:
+    record["calibration"] = settings.calibration[run.cell, run.scale]
   json.dump(record, open(os.path.join(path, sweep.RECORD), "w"))
   preset = sweep._preset(run.cell)
-  low, high = sweep.radii(run, settings.eps)
+  low, high = sweep.radii(run, settings.eps, settings.calibration)
   config = {
     "seed": run.seed,
     "iterations": 50 * (len(curve) - 1),
@@ -742,3 +745,187 @@ def test_a_real_tiny_sweep_runs_reports_and_resumes(tmp_path):
   assert p.returncode == 0 and "reusing 4 finished runs of 4" in p.stdout, p.stdout + p.stderr
   record = json.load(open(tmp_path / "runs" / "none__inf__s1" / sweep.RECORD))
   assert record["attempts"] == 1
+
+
+# --- equal_mask: radii calibrated on the first update -------------------------------------------
+
+
+def test_the_delta_search_reaches_the_band_or_says_why_not():
+  """On known share curves: non-increasing in delta, with a plateau, a jump and bounds."""
+  calls = []
+
+  def smooth(d):  # 40% of tokens masked at delta 0, half as many every doubling of delta
+    calls.append(d)
+    return 0.4 * 2 ** (-d / 0.01)
+
+  found = sweep.search_delta(smooth, 0.05, 0.1)
+  assert found["matched"] and abs(found["share"] - 0.05) <= 0.1 * 0.05
+  assert found["delta"] == pytest.approx(0.03, rel=0.1) and found["evaluations"] == len(calls)
+  assert sweep.search_delta(smooth, 0.05, 0.001)["matched"]  # from the other side too
+  # Already within the band: the start is kept, after one evaluation.
+  assert sweep.search_delta(smooth, 0.2, 0.01) == dict(
+    delta=0.01, share=0.2, matched=True, evaluations=1, note=""
+  )
+  # A jump across the band (tokens with equal estimates cross together): the closest side.
+  step = lambda d: 0.3 if d < 0.02 else 0.1
+  found = sweep.search_delta(step, 0.18, 0.1)
+  assert not found["matched"] and found["share"] == 0.1 and found["delta"] >= 0.02
+  assert found["note"].startswith("no delta reaches it: the share jumps from 30% at delta 0.02")
+  # Bounded shares: never 50% at any delta, never below 1% at any delta.
+  found = sweep.search_delta(lambda d: min(0.3, 0.001 / d), 0.5, 0.1)
+  # The closest share, first reached at 0.1 / 4^3: the largest delta that masks the most.
+  assert not found["matched"] and (found["share"], found["delta"]) == (0.3, 0.1 / 4**3)
+  assert found["note"] == f"unreachable: masks less than the target even at delta {0.1 / 4**12:.3g}"
+  found = sweep.search_delta(lambda d: max(0.01, 0.1 - d), 0.001, 0.1)
+  assert not found["matched"] and found["share"] == 0.01
+  assert found["note"].startswith("unreachable: masks more than the target even at delta")
+
+
+# TINY with its warm start: the warm-started add1 policy answers most prompts right, so the first
+# update has signal (advantages) and its trust region masks a few percent of tokens.
+TINY_WARM = [o for o in TINY if not o.startswith("warmstart.")]
+
+
+def test_equal_mask_radii_match_tv_mcs_first_update_and_are_cached(tmp_path, monkeypatch):
+  """Calibrated at scale 0.5 (tv_mc at delta 0.05): every cell's first-update masked share lies
+  within 10% of tv_mc's, a real training run at a found delta logs that share for its first
+  iteration, and a second call reads the folder's cache without computing anything."""
+  from gppo_jax import train
+
+  settings = _settings(tmp_path, overrides=tuple(TINY_WARM))
+  need = {0.5: ["kl_atomic", "tv_mc", "tv_binary"]}
+  lines = []
+  found = sweep.calibrate(settings, need, echo=lines.append)
+  target = found["tv_mc", 0.5]["share"]
+  assert target > 0.01 and found["tv_mc", 0.5]["delta"] == pytest.approx(0.05)
+  for cell in need[0.5]:
+    c = found[cell, 0.5]
+    assert c["matched"] and c["target"] == target, c
+    assert abs(c["share"] - target) <= sweep.MASK_TOLERANCE * target, c
+  # At its f_eps delta x 0.5 TV-Binary masks less than TV-MC: the search moved its radius.
+  binary = found["tv_binary", 0.5]
+  assert binary["evaluations"] > 1 and binary["delta"] < 0.5 * presets.default_delta("tv")
+  table = "\n".join(lines)
+  assert f"saved to {tmp_path / sweep.CALIBRATION_FILE}" in table
+  assert f"| tv_binary | {binary['delta']:.4g} | {100 * binary['share']:.3f}% |" in table
+  # The run's own first update, through train's compiled update, at the radius found.
+  s = dataclasses.replace(settings, calibration=found)
+  config = sweep.run_config(sweep.Run(0, sweep.EQUAL_MASK, 0.5, "tv_binary"), s)
+  assert config.loss.delta_low == config.loss.delta_high == binary["delta"]
+  config.iterations, config.eval.every = 1, 100
+  train.train_and_evaluate(config, str(tmp_path / "run"))
+  first = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")][1]
+  assert abs(first["trust/masked_frac"] - target) <= sweep.MASK_TOLERANCE * target
+  assert first["trust/masked_frac"] == pytest.approx(binary["share"], abs=1e-6)
+  # Again: the cache answers, nothing is set up or computed.
+  monkeypatch.setattr(train, "first_update", lambda *a, **k: pytest.fail("recomputed"))
+  lines.clear()
+  assert sweep.calibrate(settings, need, echo=lines.append) == found
+  assert f"cached in {tmp_path / sweep.CALIBRATION_FILE}" in lines[0]
+  # Another setting is another calibration (here: the scale).
+  assert sweep.cached_calibration(settings, {1.0: ["tv_binary"]}) == {}
+  assert sweep.cached_calibration(settings, {0.5: ["tv_binary"]}) == {("tv_binary", 0.5): binary}
+
+
+def test_an_unreachable_share_is_reported_and_the_cell_runs_at_the_closest_delta(tmp_path):
+  """No trust region masks 90% of a first update's tokens (the first optimizer step masks none):
+  the table and the sweep's results say so, and the run takes the closest delta found."""
+  settings = _settings(tmp_path, overrides=tuple(TINY_WARM))
+  lines = []
+  found = sweep.calibrate(settings, {1.0: ["kl_atomic"]}, echo=lines.append, target=0.9)
+  cal = found["kl_atomic", 1.0]
+  assert not cal["matched"] and cal["target"] == 0.9 and 0 < cal["share"] < 0.5
+  assert cal["note"].startswith("unreachable: masks less than the target even at delta")
+  assert cal["delta"] < presets.default_delta("kl")  # the tiniest radii mask the most
+  assert lines[0] == "equal_mask: calibrating 1 radius on the first update of seed 0"
+  assert "NOT MATCHED: kl_atomic" in lines[2]
+  assert any(x.startswith("| kl_atomic |") and "**NO**: unreachable" in x for x in lines)
+  # The sweep's results: the runs of that radius under the fake launcher, then the report.
+  s = dataclasses.replace(settings, calibration=found)
+  runs = sweep.expand(["kl_atomic"], [sweep.EQUAL_MASK], [1.0], [0, 1])
+  sweep.execute(runs, s, launch=launcher(tmp_path, s, []), echo=print, poll_s=0)
+  for run in runs:
+    args = sweep.train_args(run, s)
+    assert f"--config.loss.delta_low={cal['delta']!r}" in args
+  sweep.write_outputs(str(tmp_path), {})
+  text = (tmp_path / "results.md").read_text()
+  assert "## Radius equal_mask_x1" in text and "**not matched: kl_atomic**" in text
+  assert _table_line(text, "kl_atomic")[1] == f"{cal['delta']:.4g} (**not matched**)"
+  rows = list(csv.DictReader(open(tmp_path / "runs.csv")))
+  assert {r["calibration_matched"] for r in rows} == {"False"}
+  assert {float(r["calibration_target"]) for r in rows} == {0.9}
+
+
+def test_equal_mask_commands_come_from_the_folders_calibration(tmp_path, capsys):
+  """--dry-run and --calibrate-only read the cache of --out; without one the dry run says the
+  radius is calibrated at launch, and other settings (--set) are another calibration."""
+  args = ["--rules", "equal_mask", "--cells", "tv_mc,kl_mc,none", "--seeds", "0"]
+  args += ["--out", str(tmp_path)]
+  assert sweep.main(["--dry-run", *args]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("# tv_mc__equal_mask_x1__s0: its equal_mask delta is calibrated at")
+  assert "none__inf__s0" in out[2] and not os.listdir(tmp_path)
+  settings = _settings(tmp_path)
+  key = sweep.calibration_key(settings, 1.0)
+  cells = {
+    c: dict(cell=c, delta=d, share=0.031, target=0.03, matched=True, note="", tolerance=0.1)
+    for c, d in (("tv_mc", 0.1), ("kl_mc", 0.0123))
+  }
+  entry = dict(key=key, cells=cells, task_name="addsub3", reference_delta=0.1, target=0.03)
+  json.dump({"calibrations": [entry]}, open(tmp_path / sweep.CALIBRATION_FILE, "w"))
+  assert sweep.main(["--dry-run", *args]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert "--config.loss.delta_low=0.0123" in out[1] and "kl_mc__equal_mask_x1__s0" in out[1]
+  assert sweep.main(["--calibrate-only", *args]) == 0  # cached: nothing computed
+  out = capsys.readouterr().out
+  assert "equal_mask radii (task addsub3, seed 0, scale 1; cached in" in out
+  assert "| kl_mc | 0.0123 | 3.100% | 3.000% | yes |" in out
+  assert sweep.main(["--dry-run", *args, "--set", "optim.lr=1e-3"]) == 0
+  assert "calibrated at launch" in capsys.readouterr().out.splitlines()[1]
+  with pytest.raises(errors.ConfigError, match="no grid cell under --rules equal_mask"):
+    sweep.main(["--calibrate-only", "--cells", "kl_mc", "--out", str(tmp_path)])
+  # The child the sweep launches calibrates under the sweep's own settings (its sweep.json).
+  settings = sweep.Settings(
+    str(tmp_path), ("optim.lr=1e-3",), "shared", 0.3, "wordchain", "avg@4"
+  )  # fmt: skip
+  need = {1.0: ["tv_mc", "kl_mc"], 0.5: ["tv_mc", "kl_mc"]}
+  a = sweep.parser().parse_args(sweep.calibration_argv(settings, need, 3))
+  assert a.calibrate_only and a.calibration_batches == 3 and a.out == str(tmp_path)
+  assert (tuple(a.set), a.start, a.eps, a.task, a.metric) == settings_fields(settings)
+  runs = sweep.expand(sweep.parse_cells(a.cells), sweep.parse_rules(a.rules),
+                      sweep.parse_scales(a.scales), [0])  # fmt: skip
+  assert sweep.calibration_needs(runs) == need
+
+
+def settings_fields(s: sweep.Settings):
+  return s.overrides, s.start, s.eps, s.task, s.metric
+
+
+def test_a_real_equal_mask_sweep_calibrates_in_a_child_then_trains(tmp_path):
+  """The command line: the calibration runs in a child process before the run, its radius is the
+  run's, results.md reports it, and the same command again reuses the cached calibration."""
+  cmd = [sys.executable, "-m", "gppo_jax.sweep", "--cells", "kl_atomic", "--seeds", "0"]
+  cmd += ["--rules", "equal_mask", "--out", str(tmp_path)]
+  cmd += [x for o in TINY_WARM for x in ("--set", o)]
+  env = conftest.one_device_env()
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert "equal_mask: calibrating 1 radius on the first update of seed 0" in p.stdout
+  cal = json.load(open(tmp_path / sweep.CALIBRATION_FILE))["calibrations"][0]["cells"]["kl_atomic"]
+  assert f"| kl_atomic | {cal['delta']:.4g} |" in p.stdout
+  name = "kl_atomic__equal_mask_x1__s0"
+  config = json.load(open(tmp_path / "runs" / name / "config.json"))
+  assert config["loss"]["delta_low"] == config["loss"]["delta_high"] == cal["delta"]
+  record = json.load(open(tmp_path / "runs" / name / sweep.RECORD))
+  assert record["calibration"] == cal
+  first = [json.loads(x) for x in open(tmp_path / "runs" / name / "metrics.jsonl")][1]
+  assert first["trust/masked_frac"] == pytest.approx(cal["share"], abs=1e-6)  # the run's own
+  text = (tmp_path / "results.md").read_text()
+  assert "## Radius equal_mask_x1" in text and "Radii calibrated (equal_mask)" in text
+  assert '"not_matched": []' in p.stdout or not cal["matched"]
+  p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert (
+    "calibrating" not in p.stdout and f"cached in {tmp_path / sweep.CALIBRATION_FILE}" in p.stdout
+  )
+  assert "reusing 1 finished runs of 1" in p.stdout

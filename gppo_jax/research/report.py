@@ -30,7 +30,9 @@ ESTIMATORS = ("mc", "binary", "atomic")
 GRID = tuple(f"{d}_{e}" for d in DIVERGENCES for e in ESTIMATORS)
 NONE = "none"  # tv_mc with an infinite radius
 REFERENCE = "tv_mc"  # PPO's clip: the cell every other is compared with, paired by seed
-RULES = ("f_eps", "equal_tv")
+RULES = ("f_eps", "equal_tv", "equal_mask")
+EQUAL_MASK = "equal_mask"  # the rule whose radii are calibrated on a first update (sweep.py)
+CALIBRATION_FILE = "equal_mask.json"  # in the sweep folder: equal_mask's calibrations, reused
 OWN = "own"  # the radius rule of presets (their own radii)
 INF = "inf"  # the radius rule of `none`
 RECORD = "sweep_run.json"  # in each run folder: what the run is, its train arguments, wall time
@@ -157,6 +159,8 @@ def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
     "iterations": config.get("iterations"),
     "wall_s": float(record.get("wall_s") or (summary or {}).get("seconds") or nan),
     "budget": _budget(config),
+    # equal_mask: the cell's calibration (sweep.calibrate: delta, share, target, matched, note)
+    "calibration": record.get("calibration"),
   }
   steps, curve, mask_steps, masked = [], [], [], []
   diag_sum: dict[str, float] = {}
@@ -292,6 +296,9 @@ CSV_FIELDS = (
   "masked_late",
   "wall_s",
   "status",
+  "calibrated_share",
+  "calibration_target",
+  "calibration_matched",
 )
 METRICS = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run)"))
 
@@ -302,6 +309,13 @@ def write_runs_csv(path: str, rows: Sequence[dict]) -> None:
     w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
+      cal = r.get("calibration") or {}
+      r = {
+        **r,
+        "calibrated_share": cal.get("share", ""),
+        "calibration_target": cal.get("target", ""),
+        "calibration_matched": cal.get("matched", ""),
+      }
       w.writerow({k: (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in CSV_FIELDS})
 
 
@@ -476,6 +490,7 @@ def results_markdown(
     tag = group_tag(group)
     lines += ["", f"## Radius {tag}", ""]
     lines += _cell_table(every, cells_rows)
+    lines += _calibration_section(every)
     items = comparisons(cells_rows)
     if items:
       lines += [
@@ -566,6 +581,8 @@ def _cell_table(grows: Sequence[dict], cells_rows: dict[str, dict[int, dict]]) -
     fin = cells_rows.get(cell, {})
     lo, hi = runs[0]["delta_low"], runs[0]["delta_high"]
     delta = f"{lo:.4g}" if lo == hi else f"{lo:.4g} / {hi:.4g}"
+    if (runs[0].get("calibration") or {}).get("matched") is False:
+      delta += " (**not matched**)"
     cols = [cell, delta, f"{len(fin)}" + (f" of {len(runs)}" if len(runs) != len(fin) else "")]
     for metric, _ in METRICS:
       vals = [r[metric] for r in fin.values()]
@@ -586,6 +603,48 @@ def _cell_table(grows: Sequence[dict], cells_rows: dict[str, dict[int, dict]]) -
     cols.append(duration(float(np.mean(walls))) if walls else "n/a")
     lines.append("| " + " | ".join(cols) + " |")
   return lines
+
+
+def calibration_table(results: Sequence[dict]) -> list[str]:
+  """equal_mask's calibration as a markdown table: per cell the delta found, the masked share
+  (trust/masked_frac) of the first update it reached, the target (tv_mc's share) and whether it
+  is within the tolerance; a cell not matched says why and runs at the closest delta found."""
+  lines = [
+    "| cell | delta | first-update masked share | target | matched |",
+    "|---|---|---|---|---|",
+  ]
+  for r in results:
+    matched = "reference" if r["cell"] == REFERENCE else ("yes" if r["matched"] else "**NO**")
+    if r.get("note"):
+      matched += f": {r['note']}"
+    lines.append(
+      f"| {r['cell']} | {r['delta']:.4g} | {100 * r['share']:.3f}% | {100 * r['target']:.3f}% "
+      f"| {matched} |"
+    )
+  return lines
+
+
+def _calibration_section(rows: Sequence[dict]) -> list[str]:
+  """The calibration of a group's equal_mask cells (from their runs' records), or nothing."""
+  order = [*GRID, NONE, *presets.names()]
+  found: dict[str, dict] = {}
+  for r in sorted(rows, key=lambda r: order.index(r["cell"]) if r["cell"] in order else 99):
+    if r["rule"] == EQUAL_MASK and r.get("calibration"):
+      found.setdefault(r["cell"], {"cell": r["cell"], **r["calibration"]})
+  if not found:
+    return []
+  missed = [c for c, r in found.items() if not r["matched"]]
+  head = (
+    f"Radii calibrated ({EQUAL_MASK}): each cell's delta gives the masked share of the first "
+    f"update (trust/masked_frac) of {REFERENCE} at its f_eps radius times the scale, within "
+    f"{100 * next(iter(found.values())).get('tolerance', 0.1):.0f}% (relative)"
+  )
+  head += (
+    f"; **not matched: {', '.join(missed)}** (they run at the closest delta found)."
+    if missed
+    else "; every cell matched."
+  )
+  return ["", head, "", *calibration_table(list(found.values()))]
 
 
 # Columns of the diagnostics table: (heading, per-estimator metric under diag/<estimator>/).
