@@ -70,6 +70,8 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
 def _evaluate_cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
   env = conftest.one_device_env()
   env["JAX_PLATFORMS"] = "cpu"
+  # From another folder the package is found on the path (CI installs no editable package).
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
   return subprocess.run(
     [sys.executable, "-m", "gppo_jax.evaluate", *args],
     env=env,
