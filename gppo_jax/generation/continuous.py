@@ -602,7 +602,13 @@ class _Rollout:
       while sum(self.pages.wanted(s, self._reach(s)) for s in group) > self.pages.free(r):
         # Rows that have run since their admission (admission keeps the pages of a new row's
         # first chunk, so the others suffice).
-        victim = max((s for s in group if self.ahead[s]), key=lambda s: self.order[s])
+        ran = [s for s in group if self.ahead[s]]
+        if not ran:
+          raise RuntimeError(
+            f"continuous engine: shard {r}'s pool ({self.pages.free(r)} pages free) cannot hold "
+            "the first chunk of the rows just admitted (a scheduler bug: please report it)"
+          )
+        victim = max(ran, key=lambda s: self.order[s])
         self._preempt(victim)
         group.remove(victim)
       for s in group:
