@@ -409,7 +409,6 @@ class _Rollout:
     self.order = np.zeros(S, np.int64)  # admission order: the latest are preempted first
     self.ahead = np.zeros(S, np.int64)  # chunks dispatched since its flags were last read
     self.row_step = np.zeros(self.num_rows, np.int32)  # tokens drawn, as last read
-    self.finished = np.zeros(self.num_rows, bool)
     self.pending: collections.deque[_Unit] = collections.deque()
     per_unit = min(G, engine.per_group)  # a prompt's samples in parts that fit a group
     for prompt in range(len(prompts)):
@@ -627,9 +626,8 @@ class _Rollout:
     ran = np.asarray([s for group in running for s in group], np.int64)
     self.ahead[ran] += 1
     self.sizes.add(B)
-    block = paged.gather_block_pages(self.ps)
     self.state, records, cols, flags = _decode(
-      e.graphdef, self.sp, self.cfg.chunk, e._spread, self.impl, e.unroll, block, self.params,
+      e.graphdef, self.sp, self.cfg.chunk, e._spread, self.impl, e.unroll, self.params,
       self.state, *e._put((slots, table)),
     )  # fmt: skip
     self.outputs = _write(self.outputs, records, e._put(rows), cols, e._whole)
@@ -667,7 +665,6 @@ class _Rollout:
       if here:
         self.length[s], self.ahead[s] = length[s], self.ahead[s] - 1
       if is_done:
-        self.finished[row] = True
         if here:
           self.pages.release(int(s))
           self.slot_row[s] = -1
@@ -678,17 +675,13 @@ class _Rollout:
     self.pending.extendleft(reversed(resumed))
 
 
-def _in_compute_dtype_impl(params: nnx.State, dtype) -> nnx.State:
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, params)
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
   """The floating parameters cast to the compute dtype once per call: each decode step then
   reads 16-bit weights instead of casting float32 ones again (every use casts them to this
   dtype anyway, so the results are the same)."""
-  return _in_compute_dtype_impl(params, dtype)
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, params)
 
 
 def _spread_over(spread, tree):
@@ -783,9 +776,7 @@ def _over_groups(fn, spread, impl, *args):
 def _admit(graphdef, sp, spread, shifted, params, state, *inputs):
   """`_admit_group` in every group at once (inputs with a leading group axis): (state, records
   [R, m G, 1, ...], cols [R, m G, 1])."""
-  admit = lambda state, *inputs, shards=None: _admit_group(
-    graphdef, sp, shifted, params, state, *inputs
-  )
+  admit = lambda state, *inputs: _admit_group(graphdef, sp, shifted, params, state, *inputs)
   with model_lib.experts_under_vmap():
     return _spread_over(spread, jax.vmap(admit)(state, *inputs))
 
@@ -838,8 +829,8 @@ def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, s
   return state, records, jnp.where(valid, step, N)[:, None]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnums=(8,))
-def _decode(graphdef, sp, chunk, spread, impl, unroll, block, params, state, slots, table):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(7,))
+def _decode(graphdef, sp, chunk, spread, impl, unroll, params, state, slots, table):
   """Up to `chunk` decode steps of every group's running rows (a leading group axis), gathered
   from their slots (slots [R, B]: out-of-range ids are no row) into a batch of B, then written
   back. Returns (state, records [R, B, chunk, ...] of the steps' tokens, cols [R, B, chunk]: the
@@ -849,7 +840,6 @@ def _decode(graphdef, sp, chunk, spread, impl, unroll, block, params, state, slo
   The loop runs over all groups at once and only its step is vmapped over them: a loop under
   vmap whose condition differs per group would select between old and new carry at each step,
   a copy of the whole page pool."""
-  del block  # part of the key only: `paged.gather_block_pages` reads it from the page size
   weights = paged.decode_weights(graphdef, params, unroll)
   cfg = nnx.merge(graphdef, params).cfg
   S, N = state.done.shape[1], sp.max_new_tokens
