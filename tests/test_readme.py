@@ -1,6 +1,7 @@
 """The README and the docs it points to: length, links, the quick-start commands, and the
 custom-divergence example (configs/custom_divergence.py) loaded, validated and trained."""
 
+import glob
 import json
 import math
 import os
@@ -17,7 +18,8 @@ from gppo_jax.algorithm import divergences, estimators
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 EXAMPLE = os.path.join(REPO, "configs", "custom_divergence.py")
-# The documents whose relative links must resolve: the README and what it sends users to.
+# The documents whose relative links must resolve: the README, what it sends users to, and the
+# campaign logs that docs/performance.md links to.
 DOCS = [
   "README.md",
   "CONTRIBUTING.md",
@@ -27,6 +29,10 @@ DOCS = [
   "docs/architecture.md",
   "docs/math.md",
   "launch/README.md",
+  *sorted(
+    os.path.relpath(path, REPO).replace(os.sep, "/")
+    for path in glob.glob(os.path.join(REPO, "docs", "results", "*.md"))
+  ),
 ]
 
 
