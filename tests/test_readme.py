@@ -61,9 +61,28 @@ def relative_links(text: str) -> list[str]:
   return [t for t in targets if not re.match(r"[a-z]+:", t)]  # not http:, https:, mailto:
 
 
-def test_readme_is_at_most_300_lines():
+# The README's two fresh-machine commands (test_quick_start_commands_are_the_ones_ci_runs).
+SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt"
+QUICK_START = (
+  f"{SETUP} && python -m gppo_jax.train --config=configs/kl_atomic.py",
+  f"{SETUP} -r requirements-test.txt && python -m pytest -q",
+)
+
+
+def test_readme_is_at_most_330_lines():
   lines = read("README.md").splitlines()
-  assert 50 < len(lines) <= 300, len(lines)
+  assert 50 < len(lines) <= 330, len(lines)
+
+
+def test_readme_lines_are_at_most_100_columns():
+  """Every line, tables and code blocks included, except the two quick-start commands: each is
+  one line so that it copies as it is, and it is the command .ci/run runs."""
+  lines = read("README.md").splitlines()
+  assert sum(line in QUICK_START for line in lines) == 2  # the exception is these two lines only
+  wide = [
+    (n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 100 and line not in QUICK_START
+  ]
+  assert not wide, f"README lines over 100 columns (line, width): {wide}"
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -95,9 +114,7 @@ def test_quick_start_commands_are_the_ones_ci_runs():
   """The README's two fresh-machine commands: the main job, and the tests exactly as .ci/run
   runs them (only pip's -q differs)."""
   commands = [b.strip() for b in code_blocks(read("README.md"), "bash")]
-  setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt"
-  main = f"{setup} && python -m gppo_jax.train --config=configs/kl_atomic.py"
-  tests = f"{setup} -r requirements-test.txt && python -m pytest -q"
+  main, tests = QUICK_START
   assert commands[0] == main and commands[1] == tests, commands[:2]
   ci = [
     line.strip()
