@@ -37,6 +37,9 @@ REQUIRED = {
 
 # train.shuffle: how each epoch cuts the rollout batch into mini-batches (train_step.UpdateSpec).
 SHUFFLES = ("groups", "rows")
+# rollout.mode: take turns with the update, or draw the next rollout beside it
+# (trainer/async_rollout.py).
+ROLLOUT_MODES = ("sync", "async")
 # Where warm starts are cached unless a config says otherwise: $GPPO_WARMSTART_CACHE, else this.
 # A machine's setting, like $GPPO_XLA_CACHE for compiled programs.
 WARMSTART_CACHE_ENV = "GPPO_WARMSTART_CACHE"
@@ -263,6 +266,12 @@ def base(
   # (the initial one while t < k), so even the first update step is off-policy. Keeps k copies of
   # the parameters (saved in checkpoints). 0 = on-policy sampling. docs/guide.md "Training".
   c.rollout.staleness = 0
+  # Where the rollout runs beside the update: "sync" (take turns: sample, then update) or "async"
+  # (needs staleness = k >= 1): the rollout of iteration t + 1 is drawn in the background, with
+  # the policy of iteration t + 1 - k, while iteration t updates; the same computation as "sync"
+  # with that staleness, so the same metrics. With mesh.rollout_devices > 0 the two run on their
+  # own devices; else they share them (the overlap is then the host's scoring and scheduling).
+  c.rollout.mode = "sync"
   # Mixtures of experts: the sampler records the experts each response token was routed to and
   # the update's forward reuses them (recomputing their weights with the current router), so the
   # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of
@@ -385,6 +394,15 @@ def base(
   # Expert parallelism (mixtures of experts): the experts split over this many devices, which
   # also split the batch; 1 = no expert axis in the mesh. Must divide the model's num_experts.
   c.mesh.expert = 1
+  # Split device groups: the last `rollout_devices` devices sample (on their own mesh, with the
+  # `mesh.rollout` axes) and the rest train; after each update the new parameters move to the
+  # sampler (async/sync_s, async/sync_gib). 0: one mesh for both (no parameter moves).
+  c.mesh.rollout_devices = 0
+  c.mesh.rollout = ml_collections.ConfigDict()
+  c.mesh.rollout.data = -1
+  c.mesh.rollout.fsdp = 1
+  c.mesh.rollout.tensor = 1
+  c.mesh.rollout.expert = 1
 
   if "smoke" in args:
     c.iterations = 3
@@ -691,6 +709,8 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.mismatch_threshold", Range(0, lo_open=True)),
     ("rollout.refill_rounds", Int(0)),
     ("rollout.staleness", Int(0)),
+    ("rollout.mode", OneOf(ROLLOUT_MODES)),
+    ("mesh.rollout_devices", Int(0)),
     ("rollout.routing_replay", Flag()),
     # Loss.
     ("loss.delta_low", radius),
@@ -797,6 +817,20 @@ def _check_eval_relations(e: ml_collections.ConfigDict) -> None:
     )
 
 
+def _mesh_problems(mesh, name: str) -> list[str]:
+  """Axis sizes >= 1, or -1 for "the rest of the devices" on at most one axis."""
+  from gppo_jax.models import sharding
+
+  problems = []
+  sizes = {k: v for k, v in mesh.items() if k not in sharding.ROLLOUT_MESH_KEYS}
+  for axis, x in sizes.items():
+    if not (_is_int(x) and (x >= 1 or x == -1)):
+      problems.append(f"{name}.{axis}={x!r}: must be an integer >= 1 or -1 (the remaining devices)")
+  if list(sizes.values()).count(-1) > 1:
+    problems.append(f"{name}={sizes}: at most one axis may be -1")
+  return problems
+
+
 def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   """Raises a ConfigError (a ValueError) naming every missing or invalid field of a config.
 
@@ -844,13 +878,15 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       f"rollout.correction={r.correction!r}: needs rollout.recompute_logprobs=True (it weighs "
       "the sampler's log-probs against the trainer's)"
     )
-  # Mesh: sizes >= 1, or -1 for "the rest of the devices" on at most one axis.
-  for axis in c.mesh.keys():
-    x = c.mesh[axis]
-    if not (_is_int(x) and (x >= 1 or x == -1)):
-      problems.append(f"mesh.{axis}={x!r}: must be an integer >= 1 or -1 (the remaining devices)")
-  if list(c.mesh.values()).count(-1) > 1:
-    problems.append(f"mesh={dict(c.mesh)}: at most one axis may be -1")
+  if r.get("mode", "sync") == "async" and not r.staleness:
+    problems.append(
+      "rollout.mode='async' needs rollout.staleness >= 1: the rollout of iteration t + 1 is "
+      "drawn while iteration t updates, so it cannot use that update's policy (set "
+      "rollout.staleness=1, or rollout.mode='sync')"
+    )
+  problems += _mesh_problems(c.mesh, "mesh")
+  if c.mesh.get("rollout_devices"):
+    problems += _mesh_problems(c.mesh.get("rollout", {}), "mesh.rollout")
   if isinstance(c.data.eval_path, str):
     try:
       envs.parse_eval_paths(c.data.eval_path)

@@ -34,10 +34,11 @@ from flax import nnx
 
 from gppo_jax import config_lib, files
 from gppo_jax.algorithm import correction
-from gppo_jax.generation import sampler
-from gppo_jax.models import sharding
+from gppo_jax.generation import continuous, sampler
+from gppo_jax.models import partitioning, sharding
 from gppo_jax.research import diagnostics
 from gppo_jax.trainer import (
+  async_rollout,
   checkpointing,
   experiment,
   interrupts,
@@ -119,12 +120,14 @@ class Run:
   config: ml_collections.ConfigDict
   workdir: str
   mngr: Any  # orbax CheckpointManager
-  mesh: Any
+  mesh: Any  # the trainer's
+  sampler_mesh: Any  # the sampler's: `mesh` itself unless mesh.rollout_devices > 0
   graphdef: Any
   env: Any
   sampling: sampler.SamplingParams
   spec: train_step.UpdateSpec
-  sample_fn: sampler.MeshSampler  # rollouts and evaluations
+  sample_fn: sampler.MeshSampler  # rollouts and evaluations, on the sampler's mesh
+  param_sync: async_rollout.ParamSync  # the trainer's parameters -> the sampler's policy
   update: Callable  # sharded jit of train_step.make_update_fn
   logprobs: Callable  # sharded jit of train_step.make_logprob_fn
   state_sh: Any  # the TrainState's shardings
@@ -141,6 +144,8 @@ class Run:
   # probe(spec) -> jit(state, batch, rng, radii) -> the update's metrics at radii
   # (delta_low, delta_high) given as an argument, the state not donated (_jit_first_update).
   probe: Callable | None = None
+  # rollout.mode="async": the rollout of the next iteration, drawn during this one's update.
+  ahead: async_rollout.Ahead | None = None
 
   @functools.cached_property
   def seed_key(self) -> jax.Array:
@@ -151,10 +156,13 @@ class Run:
     return _iteration_keys(self.seed_key, iteration)
 
   def evaluate(self, params) -> dict[str, float]:
+    """The evaluation of the trainable `params` (state.params), on the sampler's devices."""
+    if self.ahead is not None:
+      self.ahead.wait()  # the sampler serves one caller at a time
     return experiment.evaluate(
       self.config,
       self.graphdef,
-      params,
+      self.param_sync(params, version=-1).policy,
       self.env,
       max_new_tokens=self.sampling.max_new_tokens,
       sample_fn=self.sample_fn,
@@ -166,7 +174,8 @@ class Run:
   def save(self, iteration: int, state, *, wait: bool = False) -> None:
     meta = {
       "iteration": iteration,
-      "env": self.env.state(),
+      # With a rollout in flight, the environment's state before it drew: a resume redraws it.
+      "env": (self.ahead and self.ahead.env_state()) or self.env.state(),
       "history": self.history,
       "config": self.config.to_json_best_effort(),
     }
@@ -187,7 +196,7 @@ def _set_up(
     mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
     stack.callback(mngr.close)  # every exit path lets pending writes complete
   resuming = mngr is not None and mngr.latest_step() is not None
-  mesh = sharding.make_mesh(config.mesh)
+  mesh, sampler_mesh = sharding.make_meshes(config.mesh)
   # The KL penalty's reference is the initial policy, so a resume rebuilds it (deterministically).
   need_init = not resuming or config.loss.kl_coef > 0
   graphdef, init_params, model_cfg, env, warm_info = experiment.build_policy(
@@ -203,6 +212,7 @@ def _set_up(
     config, env.max_prompt_len, sampling.max_new_tokens, model_cfg
   )
   sharding.check_experts(model_cfg, mesh.shape)
+  sharding.check_experts(model_cfg, sampler_mesh.shape)
   # The batch's structure (which optional fields it carries) fixes the compiled functions.
   r = config.rollout
   batch = train_step.abstract_batch(
@@ -216,16 +226,25 @@ def _set_up(
   update = _jit_update(graphdef, tx, spec, state_sh, batch_sh, options)
   probe = functools.partial(_jit_first_update, graphdef, tx, state_sh=state_sh, batch_sh=batch_sh)
   _check_group_split(config, spec, mesh)
+  split = sampler_mesh is not mesh
+  sampler_sh = state_sh.policy()
+  if split:
+    sampler_sh = partitioning.state_shardings(state.policy(), sampler_mesh)
+  sample_fn = experiment.sample_fn(config, graphdef, sampler_sh, sampler_mesh)
+  # The continuous engine casts the policy to the compute dtype anyway: move it cast.
+  dtype = model_cfg.compute_dtype if isinstance(sample_fn, continuous.EngineSampler) else None
   run = Run(
     config=config,
     workdir=workdir,
     mngr=mngr,
     mesh=mesh,
+    sampler_mesh=sampler_mesh,
     graphdef=graphdef,
     env=env,
     sampling=sampling,
     spec=spec,
-    sample_fn=experiment.sample_fn(config, graphdef, state_sh.policy(), mesh),
+    sample_fn=sample_fn,
+    param_sync=async_rollout.ParamSync(state, sampler_mesh if split else None, dtype),
     update=update,
     logprobs=_jit_logprobs(graphdef, spec, state_sh.policy(), batch_sh),
     state_sh=state_sh,
@@ -237,6 +256,9 @@ def _set_up(
   )
   if r.staleness:  # one copy of the initial policy stands for theta_{t-k}, t < k
     run.behaviour = [jax.tree.map(jnp.copy, state.params)] * r.staleness
+  if r.get("mode", "sync") == "async":
+    run.ahead = async_rollout.Ahead()
+    stack.callback(run.ahead.close)  # before the environment closes: the rollout scores in it
   return run, state
 
 
@@ -351,26 +373,66 @@ def _correct_mismatch(r, batch: train_step.Batch, sampled: np.ndarray, metrics: 
   return batch.replace(mask=mask, is_weight=weight if weight is not None else batch.is_weight)
 
 
-def _update_batch(run: Run, state, iteration: int):
-  """The host-side batch the update of `iteration` trains on: the rollout (with the optional
-  trim) and the optional log-prob passes. Returns (batch, metrics, behaviour parameters,
-  (t0, t1, t2): the start, the rollout's end and the log-prob passes' end)."""
+def _sampler_key(run: Run, iteration: int) -> jax.Array:
+  """The iteration's rollout key, on the sampler's devices (its folds then run there, not queued
+  behind an update on the trainer's)."""
+  key = run.keys(iteration)[0]
+  if run.sampler_mesh is run.mesh:
+    return key
+  return jax.device_put(key, sharding.replicated(run.sampler_mesh))
+
+
+def _on_sampler(run: Run):
+  """The rollout's own small computations (advantages, key folds) on a sampler device."""
+  mine = [d for d in run.sampler_mesh.devices.flat if d.process_index == jax.process_index()]
+  if run.sampler_mesh is run.mesh or not mine:
+    return contextlib.nullcontext()
+  return jax.default_device(mine[0])
+
+
+def _draw(run: Run, iteration: int, moved: async_rollout.Moved, key: jax.Array):
+  """The rollout of `iteration` (rollout.collect) by the policy `moved`, on the sampler's
+  devices; with rollout.mode="async" on the rollout thread. Returns (host batch, metrics)."""
   t0 = time.perf_counter()
-  rollout_key, _ = run.keys(iteration)
-  # The behaviour policy: the learner itself, or with rollout.staleness = k the learner k updates
-  # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
-  behaviour = run.behaviour[0] if run.behaviour else state.params
-  batch, metrics = rollout.collect(
-    run.config,
-    run.env,
-    run.sample_fn,
-    state.policy(behaviour),
-    rollout_key,
-    run.sampling,
-    prompt_len=run.spec.prompt_len,
-    pad_id=run.sampling.pad_id,
-    use_topk=run.spec.use_topk,
-  )
+  metrics = {}
+  if run.param_sync.split:
+    metrics = {"async/sync_s": moved.wait(), "async/sync_gib": moved.gib}
+  with _on_sampler(run):
+    batch, rollout_metrics = rollout.collect(
+      run.config,
+      run.env,
+      run.sample_fn,
+      moved.policy,
+      key,
+      run.sampling,
+      prompt_len=run.spec.prompt_len,
+      pad_id=run.sampling.pad_id,
+      use_topk=run.spec.use_topk,
+    )
+  metrics.update(rollout_metrics)
+  metrics["rollout/policy_version"] = float(moved.version)
+  metrics["time/rollout_s"] = time.perf_counter() - t0
+  return batch, metrics
+
+
+def _behaviour_version(run: Run, iteration: int) -> int:
+  """How many updates the policy that draws `iteration`'s rollout has had."""
+  return max(iteration - run.config.rollout.staleness, 0)
+
+
+def _draw_ahead(run: Run, iteration: int, behaviour) -> None:
+  """Starts the rollout of `iteration` on the rollout thread, by the trainable parameters
+  `behaviour`. Call it before dispatching the update it runs beside: the parameter move and the
+  key are dispatched here, ahead of that update on the trainer's devices."""
+  moved = run.param_sync(behaviour, version=_behaviour_version(run, iteration))
+  key = _sampler_key(run, iteration)
+  draw = functools.partial(_draw, run, iteration, moved, key)
+  run.ahead.submit(iteration, draw, env_state=run.env.state())
+
+
+def _prepare(run: Run, state, batch: train_step.Batch, metrics: dict, behaviour):
+  """The batch the update trains on, from the rollout's: the optional trim and log-prob passes
+  (on the trainer's devices)."""
   bucket = run.config.train.get("trim_bucket", 0)
   if bucket:  # cut the columns that are padding in every row (a multiple of the bucket)
     # Every process cuts its rows alike.
@@ -378,7 +440,6 @@ def _update_batch(run: Run, state, iteration: int):
     keep = -(-extent // bucket) * bucket
     batch = train_step.trim_responses(batch, run.spec.prompt_len, keep)
     metrics["rollout/update_columns"] = batch.logq.shape[1]
-  t1 = time.perf_counter()
   if run.config.rollout.recompute_logprobs or run.ref_params is not None:
     if run.ref_params is not None:
       batch = batch.replace(ref_logp=np.zeros_like(batch.logq))  # the structure compiled for
@@ -393,6 +454,26 @@ def _update_batch(run: Run, state, iteration: int):
     if run.ref_params is not None:
       ref_logp = run.logprobs(state.policy(run.ref_params), on_devices)
       batch = batch.replace(ref_logp=sharding.to_host(ref_logp))
+  return batch
+
+
+def _update_batch(run: Run, state, iteration: int):
+  """The host-side batch the update of `iteration` trains on: the rollout (drawn now, or taken
+  from the rollout thread) with the optional trim and log-prob passes. Returns (batch, metrics,
+  behaviour parameters, (t0, t1, t2): the start, the rollout's end and the log-prob passes' end)."""
+  t0 = time.perf_counter()
+  # The behaviour policy: the learner itself, or with rollout.staleness = k the learner k updates
+  # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
+  behaviour = run.behaviour[0] if run.behaviour else state.params
+  drawn = run.ahead.take(iteration) if run.ahead is not None else None
+  if drawn is not None:
+    batch, metrics = drawn
+    metrics["async/wait_s"] = time.perf_counter() - t0  # the update waited for the sampler
+  else:
+    moved = run.param_sync(behaviour, version=_behaviour_version(run, iteration))
+    batch, metrics = _draw(run, iteration, moved, _sampler_key(run, iteration))
+  t1 = time.perf_counter()
+  batch = _prepare(run, state, batch, metrics, behaviour)
   return batch, metrics, behaviour, (t0, t1, time.perf_counter())
 
 
@@ -407,6 +488,9 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   # The update donates the state's buffers: keep what outlives it (the pre-update parameters are
   # the behaviour of iteration t + k; the diagnostics compare against this iteration's behaviour).
   before = jax.tree.map(jnp.copy, state.params) if run.behaviour else None
+  if run.ahead is not None and iteration + 1 < run.config.iterations:
+    # The next rollout's policy, theta_{t+1-k}, is the oldest one the update leaves behind.
+    _draw_ahead(run, iteration + 1, (run.behaviour[1:] + [before])[0])
   if diagnose and not run.behaviour:
     behaviour = jax.tree.map(jnp.copy, state.params)
   if diagnose and run.behaviour:
@@ -562,7 +646,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     log.info("resumed from %s at iteration %d/%d", run.mngr.directory, start, config.iterations)
   else:
     log.info("evaluating the initial policy ...")
-    run.history["initial_eval"] = run.evaluate(state.policy())
+    run.history["initial_eval"] = run.evaluate(state.params)
     log.info("initial policy: %s", _fmt(run.history["initial_eval"]))
   # Logs past the restored step belong to iterations that are about to be replayed.
   writer = stack.enter_context(
@@ -597,7 +681,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     done = iteration + 1
     if done % config.eval.every == 0 or done == config.iterations:
       t_eval = time.perf_counter()
-      run.history["last_eval"] = last = run.evaluate(state.policy())
+      run.history["last_eval"] = last = run.evaluate(state.params)
       run.history.setdefault("evals", []).append({"iteration": done, **last})
       metrics.update(last, **{"time/eval_s": time.perf_counter() - t_eval})
       log.info("iteration %d: %s", done, _fmt(last))

@@ -51,9 +51,13 @@ _DISTRIBUTED_VARS = (
 # --- Mesh --------------------------------------------------------------------------------------
 
 
+# The fields of config.mesh that split the devices between sampling and training, not axes.
+ROLLOUT_MESH_KEYS = ("rollout_devices", "rollout")
+
+
 def mesh_axes(mesh_cfg: Mapping[str, int]) -> tuple[str, ...]:
   """The mesh's axes: MESH_AXES, then `expert` when the config asks for it (a size other than 1)."""
-  unknown = sorted(set(mesh_cfg) - {*MESH_AXES, EXPERT_AXIS})
+  unknown = sorted(set(mesh_cfg) - {*MESH_AXES, EXPERT_AXIS, *ROLLOUT_MESH_KEYS})
   if unknown:
     raise ValueError(f"mesh axes {unknown}: unknown; valid: {(*MESH_AXES, EXPERT_AXIS)}")
   if int(mesh_cfg.get(EXPERT_AXIS, 1)) != 1:
@@ -92,6 +96,26 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
   axes = mesh_axes(mesh_cfg)
   auto = (jax.sharding.AxisType.Auto,) * len(axes)
   return jax.make_mesh(shape, axes, axis_types=auto, devices=devices)
+
+
+def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh, Mesh]:
+  """(training mesh, sampling mesh). With `rollout_devices` = n > 0 the last n devices form the
+  sampler's mesh (axes from `mesh_cfg["rollout"]`, by default all data) and the others the trainer's; with 0 both are
+  one mesh over every device."""
+  devices = jax.devices() if devices is None else list(devices)
+  n = int(mesh_cfg.get("rollout_devices", 0) or 0)
+  if not n:
+    mesh = make_mesh(mesh_cfg, devices)
+    return mesh, mesh
+  if n >= len(devices):
+    raise errors.ConfigError(
+      f"mesh.rollout_devices={n}: leaves no device to train on ({len(devices)} devices); "
+      f"give sampling at most {len(devices) - 1}, or 0 to share all of them"
+    )
+  return (
+    make_mesh(mesh_cfg, devices[: len(devices) - n]),
+    make_mesh({"data": -1, **mesh_cfg.get("rollout", {})}, devices[len(devices) - n :]),
+  )
 
 
 def check_experts(cfg, mesh_sizes: Mapping[str, int]) -> None:

@@ -2,6 +2,7 @@
 
 - `train_step`: the typed rollout `Batch` and the compiled update.
 - `rollout`: prompts -> responses -> rewards -> advantages -> `Batch`.
+- `async_rollout`: the sampler's own devices, parameter moves, the rollout drawn ahead.
 - `policy_eval`: greedy accuracy, avg@k and pass@k on held-out prompts.
 - `warmstart`: the cached supervised start of the built-in policy.
 - `experiment`: what train and evaluate share: workdir lock, policy, state, sampling.

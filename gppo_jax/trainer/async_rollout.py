@@ -1,0 +1,141 @@
+"""Rollouts beside the update: the sampler's own devices, the parameter moves, the rollout drawn
+one iteration ahead.
+
+  sync = ParamSync(state, sampler_mesh, dtype)   # the sampler's copy of the policy
+  moved = sync(state.params, version=t)          # dispatched now; moved.wait() -> seconds
+  ahead = Ahead()                                # one rollout in flight on a worker thread
+  ahead.submit(t + 1, draw, env_state)           # runs draw() while the caller updates
+  batch, metrics = ahead.take(t + 1)             # its result (its exception, re-raised)
+
+`rollout.mode` (config_lib.ROLLOUT_MODES): "sync" draws each iteration's rollout when the iteration starts; "async"
+(with `rollout.staleness` = k >= 1) draws the rollout of iteration t + 1 during the update of
+iteration t, with the policy of iteration t + 1 - k. That policy is known before update t starts
+(it is theta_t, or an older copy the trainer keeps anyway), so the asynchronous run computes
+exactly what the synchronous run with the same staleness computes: the same keys, prompts,
+behaviour policies and updates, in another order in time.
+
+With `mesh.rollout_devices` > 0 (sharding.make_meshes) sampling has its own devices: each
+rollout's policy moves there from the trainer's shardings (with LoRA only the adapters move; the
+frozen base moves once), in the compute dtype where the sampler casts to it anyway (the
+continuous engine), so that half the bytes travel.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gppo_jax.models import partitioning
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(tree: Any, dtype) -> Any:
+  """The floating leaves in `dtype`, the others as they are (placed where the inputs are)."""
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(cast, tree)
+
+
+def _gib(tree: Any) -> float:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / 2**30
+
+
+@dataclasses.dataclass
+class Moved:
+  """A policy state on the sampler's devices (what the sampler takes), as of `version` updates."""
+
+  policy: Any
+  version: int
+  gib: float  # what moved (0 on a shared mesh)
+  started: float  # time.perf_counter() when the move was dispatched
+
+  def wait(self) -> float:
+    """Blocks until the move has landed; returns the seconds since it was dispatched."""
+    jax.block_until_ready(self.policy)
+    return time.perf_counter() - self.started
+
+
+class ParamSync:
+  """Moves the trainer's parameters to the sampler's mesh (`__call__`), by the same logical-axis
+  rules the trainer's shardings follow. On a shared mesh (`sampler_mesh` None) nothing moves: the
+  policy state is the trainer's own.
+
+  `state`: the TrainState (concrete: LoRA's frozen base moves once, here). `dtype`: the floating
+  parameters are cast to it before they move (None: as they are)."""
+
+  def __init__(self, state: Any, sampler_mesh: Any | None, dtype: Any = None):
+    self.mesh, self.dtype = sampler_mesh, dtype
+    self.frozen = state.frozen
+    if sampler_mesh is None:
+      return
+    self.shardings = partitioning.state_shardings(state.params, sampler_mesh)
+    if state.frozen is not None:
+      shardings = partitioning.state_shardings(state.frozen, sampler_mesh)
+      self.frozen = self._move(state.frozen, shardings)
+
+  @property
+  def split(self) -> bool:
+    return self.mesh is not None
+
+  def _move(self, tree: Any, shardings: Any) -> Any:
+    if self.dtype is not None:
+      tree = _cast(tree, self.dtype)
+    return jax.device_put(tree, shardings)
+
+  def __call__(self, params: Any, *, version: int) -> Moved:
+    """The policy state of the trainable `params` on the sampler's devices, dispatched (not
+    waited for): call it before dispatching an update that follows, so the move does not queue
+    behind it on the trainer's devices."""
+    t0 = time.perf_counter()
+    if not self.split:
+      moved, gib = params, 0.0
+    else:
+      moved = self._move(params, self.shardings)
+      gib = _gib(moved)
+    policy = moved if self.frozen is None else nnx.merge_state(self.frozen, moved)
+    return Moved(policy=policy, version=version, gib=gib, started=t0)
+
+
+class Ahead:
+  """At most one rollout in flight, on a worker thread. `take` returns its result or re-raises
+  the exception it ended with (the run stops with the sampler's error, never waits forever)."""
+
+  def __init__(self):
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gppo-rollout")
+    self._iteration: int | None = None
+    self._future: concurrent.futures.Future | None = None
+    self._env_state: dict | None = None
+
+  def submit(self, iteration: int, draw: Callable[[], Any], env_state: dict) -> None:
+    """Starts `draw()`, the rollout of `iteration`; `env_state` is the environment's state before
+    it draws any prompt (what a checkpoint taken meanwhile must hold)."""
+    if self._future is not None:
+      raise RuntimeError(f"the rollout of iteration {self._iteration + 1} is still in flight")
+    self._iteration, self._env_state = iteration, env_state
+    self._future = self._pool.submit(draw)
+
+  def take(self, iteration: int) -> Any | None:
+    """The result of the rollout of `iteration` (waiting for it), or None if none was started."""
+    if self._future is None or self._iteration != iteration:
+      return None
+    future, self._future, self._iteration, self._env_state = self._future, None, None, None
+    return future.result()
+
+  def wait(self) -> None:
+    """Waits for the rollout in flight, if any (its result stays for `take`)."""
+    if self._future is not None:
+      concurrent.futures.wait([self._future])
+
+  def env_state(self) -> dict | None:
+    """The environment's state before the rollout in flight drew from it, or None if none is."""
+    return self._env_state
+
+  def close(self) -> None:
+    """Lets the rollout in flight finish (a thread cannot be stopped) and ends the worker."""
+    self._pool.shutdown(wait=True, cancel_futures=True)
