@@ -430,7 +430,7 @@ def _draw_ahead(run: Run, iteration: int, behaviour) -> None:
   run.ahead.submit(iteration, draw, env_state=run.env.state())
 
 
-def _prepare(run: Run, state, batch: train_step.Batch, metrics: dict, behaviour):
+def _prepare(run: Run, state, batch: train_step.Batch, metrics: dict):
   """The batch the update trains on, from the rollout's: the optional trim and log-prob passes
   (on the trainer's devices)."""
   bucket = run.config.train.get("trim_bucket", 0)
@@ -446,9 +446,13 @@ def _prepare(run: Run, state, batch: train_step.Batch, metrics: dict, behaviour)
     if run.spec.is_weight:
       batch = batch.replace(is_weight=np.ones_like(batch.logq))  # the structure compiled for
     on_devices = run.to_devices(batch)
-    if run.config.rollout.recompute_logprobs:  # the behaviour's, by the trainer's forward pass
+    if run.config.rollout.recompute_logprobs:
+      # The anchor pi_old: the learner at the start of this update, by the trainer's forward
+      # pass. On-policy that is the behaviour itself (the gap is the two programs' numerics);
+      # with stale rollouts the trust region is centred on the learner (decoupled PPO) and
+      # rollout.correction weighs by pi_old / mu for the lag as well (docs/math.md).
       sampled = batch.logq
-      logq = run.logprobs(state.policy(behaviour), on_devices)
+      logq = run.logprobs(state.policy(), on_devices)
       batch = batch.replace(logq=sharding.to_host(logq))
       batch = _correct_mismatch(run.config.rollout, batch, sampled, metrics)
     if run.ref_params is not None:
@@ -473,14 +477,15 @@ def _update_batch(run: Run, state, iteration: int):
     moved = run.param_sync(behaviour, version=_behaviour_version(run, iteration))
     batch, metrics = _draw(run, iteration, moved, _sampler_key(run, iteration))
   t1 = time.perf_counter()
-  batch = _prepare(run, state, batch, metrics, behaviour)
+  batch = _prepare(run, state, batch, metrics)
   return batch, metrics, behaviour, (t0, t1, time.perf_counter())
 
 
 def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   """One RL iteration: rollout, the optional log-prob passes, the update, the finiteness check.
   Returns the new state and the iteration's metrics (time/* for each phase)."""
-  batch, metrics, behaviour, (t0, t1, t2) = _update_batch(run, state, iteration)
+  # time/rollout_s is the rollout's own (with rollout.mode="async" it ran beside the last update).
+  batch, metrics, behaviour, (_, t1, t2) = _update_batch(run, state, iteration)
   _, update_key = run.keys(iteration)
   on_devices = run.to_devices(batch)
   every = run.config.diagnostics.every
@@ -514,7 +519,6 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     {
       "rollout/behaviour_lag": float(min(run.config.rollout.staleness, iteration)),
       "optim/steps": float(state.step),
-      "time/rollout_s": t1 - t0,
       "time/logprobs_s": t2 - t1,
       "time/update_s": t3 - t2,
     }

@@ -933,7 +933,10 @@ class EngineSampler:
     sampling: sampler_lib.SamplingParams,
     *,
     group_size: int | None = None,
+    row_limits: np.ndarray | None = None,
   ) -> sampler_lib.SampleOutput:
+    """`MeshSampler`'s call; row_limits: int32 [rows], each row's own max_new_tokens (benchmarks
+    force long-tailed lengths with it)."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
     if group_size is None:
       group_size = sampler_lib.detect_group_size(tokens, mask)
@@ -947,7 +950,9 @@ class EngineSampler:
     if not all((x == x[:, :1]).all() for x in runs):
       raise ValueError(f"group_size={G}: rows do not come in runs of {G} identical prompts")
     prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
-    out = engine(params, prompts, rng, group_size=G, prompt_len=tokens.shape[1])
+    out = engine(
+      params, prompts, rng, group_size=G, prompt_len=tokens.shape[1], row_limits=row_limits
+    )
     self.stats = engine.stats
     return out
 
