@@ -782,6 +782,11 @@ def decode_weights(model: Transformer) -> tuple[list[dict[str, jax.Array]], jax.
   return layers, (w if tied else w.T)
 
 
+# --------------------------------------------------------------------------------------------
+# Building models: from a config, LoRA policies, merged adapters
+# --------------------------------------------------------------------------------------------
+
+
 # Whether the sampler runs a LoRA policy as its base model with the adapters merged into the
 # weights (W + s A B, once per sampler call: `merge_lora`) rather than applying them at every
 # step, as the trainer does. Off: merging measured no faster (benchmarks/sampler.py --lora-rank,
