@@ -66,6 +66,7 @@ from flax import nnx  # noqa: E402
 from gppo_jax import plan
 from gppo_jax.algorithm import objective
 from gppo_jax.models import architectures, attention
+from gppo_jax.models import heads as heads_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import train_step
 
@@ -138,8 +139,8 @@ LAYERS = {"scan": True, "unroll": False}  # a variant's third field: model.scan_
 
 def head_chunking(variant: str) -> str:
   """A variant's fourth field, how the log-prob head walks the response: "auto" (the model's
-  rule: one piece up to model.ONE_CHUNK_BYTES of float32 logits, else checkpointed chunks of
-  model.CHUNK_SIZE positions), "one" (one piece at any size: no recomputed head, all the logits
+  rule: one piece up to heads.ONE_CHUNK_BYTES of float32 logits, else checkpointed chunks of
+  heads.CHUNK_SIZE positions), "one" (one piece at any size: no recomputed head, all the logits
   in memory at once) or "c<N>" (chunks of N positions). ValueError for anything else."""
   parts = variant.split("/")
   head = parts[3] if len(parts) > 3 else "auto"
@@ -153,15 +154,15 @@ def head_chunking(variant: str) -> str:
 @contextlib.contextmanager
 def head_setting(head: str):
   """model's head chunking set to `head` (`head_chunking`) while a variant's update traces."""
-  saved = model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE
+  saved = heads_lib.ONE_CHUNK_BYTES, heads_lib.CHUNK_SIZE
   if head == "one":
-    model_lib.ONE_CHUNK_BYTES = 1 << 62
+    heads_lib.ONE_CHUNK_BYTES = 1 << 62
   elif head != "auto":
-    model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE = 0, int(head[1:])
+    heads_lib.ONE_CHUNK_BYTES, heads_lib.CHUNK_SIZE = 0, int(head[1:])
   try:
     yield
   finally:
-    model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE = saved
+    heads_lib.ONE_CHUNK_BYTES, heads_lib.CHUNK_SIZE = saved
 
 
 def model_config(args, variant: str) -> architectures.ModelConfig:

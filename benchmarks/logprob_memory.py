@@ -2,7 +2,7 @@
 
 Compiles (never runs) value_and_grad of sum(weights * log softmax(h @ W / T)[targets]) w.r.t. the
 hidden states h and the unembedding W, once materialising all [tokens, vocab] float32 logits and
-once through `model.chunked_logprob_stats`, and reads `compiled.memory_analysis()`.
+once through `heads.chunked_logprob_stats`, and reads `compiled.memory_analysis()`.
 
   python benchmarks/logprob_memory.py [--vocab 151936 --tokens 16384 --hidden 256 --batch 4]
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gppo_jax.models.model import chunked_logprob_stats  # noqa: E402
+from gppo_jax.models.heads import chunked_logprob_stats  # noqa: E402
 
 
 def naive_loss(h, w, targets, weights, temperature):

@@ -33,6 +33,7 @@ from flax import nnx  # noqa: E402
 
 from gppo_jax.generation import sampler  # noqa: E402
 from gppo_jax.models import architectures  # noqa: E402
+from gppo_jax.models import heads as heads_lib  # noqa: E402
 from gppo_jax.models import model as model_lib  # noqa: E402
 from gppo_jax.trainer import train_step  # noqa: E402
 
@@ -40,12 +41,9 @@ from gppo_jax.trainer import train_step  # noqa: E402
 @functools.partial(nnx.jit, static_argnums=(3,))
 def _score(model, tokens, mask, temperature, forced):
   positions = model_lib.positions_from_mask(mask)
-  hidden, _, routing = model(
-    tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1], expert_ids=forced,
-    with_routing=True,
-  )  # fmt: skip
-  lp = model_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)
-  return lp["logprobs"], routing.router_ids
+  out = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1], expert_ids=forced)
+  lp = heads_lib.chunked_logprobs(model, out.hidden, tokens[:, 1:], temperature=temperature)
+  return lp["logprobs"], out.routing.router_ids
 
 
 def main(argv=None) -> dict:

@@ -54,6 +54,7 @@ from flax import nnx  # noqa: E402
 
 from gppo_jax.generation import sampler
 from gppo_jax.models import architectures
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import experiment
 
@@ -116,7 +117,7 @@ def nocache_decoder(graphdef, n_new: int):
 
     def step(i, carry):
       tokens, mask = carry
-      hidden, _ = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask)
+      hidden = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask).hidden
       h = jax.lax.dynamic_index_in_dim(hidden, P + i - 1, axis=1, keepdims=False)
       tok = jax.random.categorical(jax.random.fold_in(rng, i), model.logits(h)).astype(jnp.int32)
       tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, P + i, axis=1)
@@ -257,7 +258,7 @@ def lora_comparison(ours, rank: int, tokens, mask, sp, group: int, repeats: int)
   base_graphdef, base_params = nnx.split(ours)
   cfg = dataclasses.replace(ours.cfg, lora_rank=rank, lora_alpha=2.0 * rank)
   graphdef, params = model_lib.with_lora(cfg, base_params, seed=0)
-  adapters, base = model_lib.split_lora(params)
+  adapters, base = lora_lib.split_lora(params)
   leaves, tree = jax.tree.flatten(adapters)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   noise = [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]

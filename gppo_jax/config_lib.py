@@ -617,28 +617,28 @@ def _valid_wandb_project(x) -> bool:
 
 
 def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
-  """(field, rule) for every field `validate` checks on its own, in the order it reports them.
-  The choices come from the layers that define them (imported here, not when a config file
-  imports this module)."""
-  from gppo_jax.algorithm import objective
-  from gppo_jax.data import tasks
-  from gppo_jax.generation import continuous, paged
-  from gppo_jax.models import architectures, sharding
-  from gppo_jax.rewards import math_reward
+  """(field, rule) for every field `validate` checks on its own, in the order it reports them,
+  section by section. The choices come from the layers that define them (imported by each
+  section, not when a config file imports this module)."""
+  return (
+    *_run_and_data_rules(),
+    *_model_rules(),
+    *_warmstart_rules(),
+    *_rollout_rules(),
+    *_loss_rules(),
+    *_reward_and_advantage_rules(c),
+    *_optimizer_rules(),
+    *_update_eval_and_checkpoint_rules(),
+    *_logging_rules(),
+  )
 
-  dtypes = OneOf(tuple(architectures.DTYPES))
-  radius = Range(0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
-  overlong = []  # the overlong buffer fits in the longest response
-  if _is_int(c.rollout.max_new_tokens):
-    longest = c.rollout.max_new_tokens
-    if c.data.train_path is None and c.task.name in tasks.TASKS:  # built-in answers are short
-      longest = min(longest, tasks.get(c.task.name).max_answer_len + 1)
-    overlong = [("reward.overlong_buffer", Int(0, longest))]
+
+def _run_and_data_rules() -> tuple[tuple[str, Any], ...]:
+  """The run's own fields and the data files'."""
   return (
     ("seed", Int(-(2**63))),
     ("iterations", Int(1)),
     ("log_every", Int(1)),
-    # Data files.
     ("data.kind", OneOf(("math", "code"))),
     ("data.train_path", Text(none_ok=True)),
     ("data.eval_path", Text(none_ok=True)),
@@ -650,7 +650,15 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("data.max_prompt_tokens", Int(1)),
     ("data.verifier_workers", Int(1)),
     ("data.verifier_timeout_s", Range(0, lo_open=True)),
-    # Model.
+  )
+
+
+def _model_rules() -> tuple[tuple[str, Any], ...]:
+  """The policy's fields: dtypes, remat, attention, LoRA, a mixture of experts."""
+  from gppo_jax.models import architectures, sharding
+
+  dtypes = OneOf(tuple(architectures.DTYPES))
+  return (
     ("model.path", Text(none_ok=True)),
     ("model.dtype", dtypes),
     ("model.param_dtype", dtypes),
@@ -672,7 +680,12 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
       ),
     ),
     ("model.lora.dropout", Range(0, 1, hi_open=True)),
-    # Warm start of the built-in policy.
+  )
+
+
+def _warmstart_rules() -> tuple[tuple[str, Any], ...]:
+  """The warm start of the built-in policy."""
+  return (
     ("warmstart.enabled", Flag()),
     ("warmstart.target_accuracy", Range(0, 1)),
     ("warmstart.max_steps", Int(0)),
@@ -686,7 +699,14 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("warmstart.clip_norm", Range(0)),
     ("warmstart.cache_dir", Text(empty_ok=True)),
     ("warmstart.seed", Int(-(2**63), none_ok=True)),
-    # Rollouts.
+  )
+
+
+def _rollout_rules() -> tuple[tuple[str, Any], ...]:
+  """Sampling, the engine, the rollout correction."""
+  from gppo_jax.generation import continuous, paged
+
+  return (
     ("rollout.prompts_per_iter", Int(1)),
     ("rollout.group_size", Int(2)),  # group-relative advantages need two responses per prompt
     ("rollout.max_new_tokens", Int(1)),
@@ -712,7 +732,15 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("rollout.mode", OneOf(ROLLOUT_MODES)),
     ("mesh.rollout_devices", Int(0)),
     ("rollout.routing_replay", Flag()),
-    # Loss.
+  )
+
+
+def _loss_rules() -> tuple[tuple[str, Any], ...]:
+  """The loss: trust-region radii, aggregation, ratio options, coefficients."""
+  from gppo_jax.algorithm import objective
+
+  radius = Range(0, lo_open=True, finite=False, note=" (a trust-region radius; inf = none)")
+  return (
     ("loss.delta_low", radius),
     ("loss.delta_high", radius),
     ("loss.aggregation", OneOf(objective.AGGREGATIONS)),
@@ -722,7 +750,21 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("loss.dual_clip", Range(1, lo_open=True, none_ok=True, note=" (PPO's dual clip, e.g. 3)")),
     ("loss.kl_coef", Range(0)),
     ("loss.entropy_coef", Range(0)),
-    # Rewards and their shaping.
+  )
+
+
+def _reward_and_advantage_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+  """Rewards and their shaping (the overlong buffer fits in the longest response), advantages."""
+  from gppo_jax.data import tasks
+  from gppo_jax.rewards import math_reward
+
+  overlong = []
+  if _is_int(c.rollout.max_new_tokens):
+    longest = c.rollout.max_new_tokens
+    if c.data.train_path is None and c.task.name in tasks.TASKS:  # built-in answers are short
+      longest = min(longest, tasks.get(c.task.name).max_answer_len + 1)
+    overlong = [("reward.overlong_buffer", Int(0, longest))]
+  return (
     ("reward.answer_format", OneOf(tuple(math_reward.ANSWER_FORMATS))),
     ("reward.format_coef", Range(0, note=" (0 = off)")),
     *overlong,
@@ -731,7 +773,11 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("advantage.ddof", OneOf((0, 1))),
     ("advantage.filter_zero_signal", Flag()),
     ("reward.overlong_filter", Flag()),
-    # Optimizer.
+  )
+
+
+def _optimizer_rules() -> tuple[tuple[str, Any], ...]:
+  return (
     ("optim.lr", Range(0, lo_open=True)),
     ("optim.schedule", OneOf(("constant", "cosine", "linear"))),
     ("optim.warmup_steps", Int(0)),
@@ -739,7 +785,12 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("optim.b1", Range(0, 1, hi_open=True)),
     ("optim.b2", Range(0, 1, hi_open=True)),
     ("optim.grad_clip", Range(0, none_ok=True, note=" (0 or None = no clipping)")),
-    # Update, evaluation, checkpoints.
+  )
+
+
+def _update_eval_and_checkpoint_rules() -> tuple[tuple[str, Any], ...]:
+  """The update's epochs and batches, evaluation, checkpoints, diagnostics, profiling."""
+  return (
     ("train.epochs", Int(1)),
     ("train.minibatches", Int(1)),
     ("train.microbatches", Int(1)),
@@ -766,7 +817,11 @@ def _field_rules(c: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
     ("checkpoint.keep", Int(1)),
     ("profile.start", Int(0)),
     ("profile.iterations", Int(1)),
-    # Logging.
+  )
+
+
+def _logging_rules() -> tuple[tuple[str, Any], ...]:
+  return (
     ("logging.wandb", Flag()),
     (
       "logging.wandb_project",

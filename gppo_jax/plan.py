@@ -346,6 +346,8 @@ def plan(
     cfg = dataclasses.replace(cfg, attention="blockwise", remat=remat, scan_layers=scan)
   elif compile and backend != "cpu":  # a CPU target's "auto"s resolve here as they would there
     cfg = dataclasses.replace(cfg, attention=impl, remat=remat, scan_layers=scan)
+  if compile and cfg.is_moe:  # the experts' products compiled as GPU / TPU run them
+    cfg = dataclasses.replace(cfg, ragged_dot_stand_in=True)
   update_fn, state, spec = update_setup(config, cfg, p, r)
   batch = train_step.abstract_batch(n, p, r, spec, config.rollout.num_topk)
   sh = sharding.state_shardings(state, mesh)
@@ -381,8 +383,7 @@ def plan(
   update_peak = resident + batch_bytes + activations
   if compile:
     try:
-      with model_lib.ragged_dot_stand_in():  # as GPU / TPU run the experts' products
-        stats = compiled_update_memory(update_fn, state, batch, mesh)
+      stats = compiled_update_memory(update_fn, state, batch, mesh)
       activations = int(stats.temp_size_in_bytes)
       live_args = (
         stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

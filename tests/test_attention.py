@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gppo_jax.models import architectures, model, sharding
+from gppo_jax.models import architectures, heads, model, sharding
 from gppo_jax.models import attention as attn
 
 # cuDNN runs only on a GPU; elsewhere its wrapper (the rotation to right padding and the
@@ -236,8 +236,8 @@ def _model_loss(impl, tokens, mask, positions, remat="none"):
 
   def loss(state):
     m = nnx.merge(graphdef, state)
-    hidden, _ = m(tokens, positions, attn_mask=mask)
-    lp = model.chunked_logprobs(m, hidden, jnp.roll(tokens, -1, 1))["logprobs"]
+    hidden = m(tokens, positions, attn_mask=mask).hidden
+    lp = heads.chunked_logprobs(m, hidden, jnp.roll(tokens, -1, 1))["logprobs"]
     return jnp.sum(jnp.where(mask, lp, 0.0)), hidden
 
   return loss
@@ -349,7 +349,8 @@ def test_model_prefill_with_blockwise_equals_dense(weights):
     def prefill(state, index):
       cache = model.init_cache(CFG, 3, 24)
       m = nnx.merge(graphdef, state)
-      return m(tokens, positions, attn_mask=mask, cache=cache, cache_index=index)
+      out = m(tokens, positions, attn_mask=mask, cache=cache, cache_index=index)
+      return out.hidden, out.cache
 
     return prefill(weights, jnp.int32(0))
 

@@ -254,13 +254,13 @@ def test_gpu_benchmark_knows_each_chips_bf16_peak():
 
 def test_gpu_benchmark_head_field_sets_how_the_head_walks_the_response():
   """A variant's head field: "c<N>" traces the log-prob head in chunks of N positions, "one" in
-  one piece even past model.ONE_CHUNK_BYTES, "auto" by the model's rule; the model's settings
+  one piece even past heads.ONE_CHUNK_BYTES, "auto" by the model's rule; the model's settings
   come back afterwards; a malformed field is a ValueError naming the choices."""
   import conftest
   import jax
   import jax.numpy as jnp
 
-  from gppo_jax.models import model as model_lib
+  from gppo_jax.models import heads as heads_lib
 
   gpu = _load("gpu_train_step.py")
   B, T, D, V = 2, 256, 8, 1024  # 2 MiB of float32 logits: one piece by the model's rule
@@ -269,18 +269,18 @@ def test_gpu_benchmark_head_field_sets_how_the_head_walks_the_response():
 
   def chunks(head):
     with gpu.head_setting(gpu.head_chunking(f"dots/auto/scan/{head}")):
-      jaxpr = jax.make_jaxpr(lambda h: model_lib.chunked_logprob_stats(h, w, ids)["logprobs"])(h)
+      jaxpr = jax.make_jaxpr(lambda h: heads_lib.chunked_logprob_stats(h, w, ids)["logprobs"])(h)
     scans = [e for e in conftest.all_eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     return [e.params["length"] for e in scans]
 
-  saved = model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE
+  saved = heads_lib.ONE_CHUNK_BYTES, heads_lib.CHUNK_SIZE
   assert chunks("auto") == [1] and chunks("c16") == [T // 16]  # scan steps: pieces of the head
-  model_lib.ONE_CHUNK_BYTES = 1024  # now past the model's one-piece limit
+  heads_lib.ONE_CHUNK_BYTES = 1024  # now past the model's one-piece limit
   try:
-    assert chunks("auto") == [T // model_lib.CHUNK_SIZE] and chunks("one") == [1]
+    assert chunks("auto") == [T // heads_lib.CHUNK_SIZE] and chunks("one") == [1]
   finally:
-    model_lib.ONE_CHUNK_BYTES = saved[0]
-  assert (model_lib.ONE_CHUNK_BYTES, model_lib.CHUNK_SIZE) == saved
+    heads_lib.ONE_CHUNK_BYTES = saved[0]
+  assert (heads_lib.ONE_CHUNK_BYTES, heads_lib.CHUNK_SIZE) == saved
   assert gpu.head_chunking("dots/auto") == "auto"
   for bad in ("c0", "cx", "two"):
     with pytest.raises(ValueError, match="auto, one or c<positions>"):

@@ -278,7 +278,7 @@ def test_make_diagnostics_fn_on_a_tiny_policy(tmp_path):
     out = []
     for prm in (params_p, params_q):
       model = nnx.merge(graphdef, prm)
-      hidden, _ = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"])
+      hidden = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"]).hidden
       out.append(model.logits(hidden[:, prompt_len - 1 :]))
     targets = batch["targets"][:, prompt_len - 1 :]
     return dg.token_stats_from_logits(

@@ -15,6 +15,7 @@ from hf_parity import hf_logits, padded_batch
 
 from gppo_jax.generation import continuous, paged, sampler
 from gppo_jax.models import architectures, attention, hf_checkpoint, tokenizer
+from gppo_jax.models import heads as heads_lib
 from gppo_jax.models import model as model_lib
 
 WINDOW = 8
@@ -191,7 +192,7 @@ _batch = functools.partial(padded_batch, 256, T)
 def _our_logits(policy, tokens, mask, positions):
   @nnx.jit  # a fresh trace: tests patch attention's module constants
   def forward(policy, tokens, mask, positions):
-    hidden, _ = policy(tokens, positions, attn_mask=mask)
+    hidden = policy(tokens, positions, attn_mask=mask).hidden
     return policy.logits(hidden)
 
   return np.asarray(forward(policy, tokens, mask, positions))
@@ -248,13 +249,14 @@ def test_kv_cache_prefill_and_steps_match_transformers(saved):
     m = nnx.merge(graphdef, state)
     cache = model_lib.init_cache(m.cfg, 2, T + 3)
     prefill = (tokens[:, :P], positions[:, :P])
-    hidden, cache = m(*prefill, attn_mask=mask[:, :P], cache=cache, cache_index=0, cache_block=4)
+    out = m(*prefill, attn_mask=mask[:, :P], cache=cache, cache_index=0, cache_block=4)
+    hidden, cache = out.hidden, out.cache
 
     def step(cache, i):
       tok = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, i, 1, axis=1)
-      h, cache = m(tok, pos, cache=cache, cache_index=i, cache_block=4)
-      return cache, h[:, 0]
+      out = m(tok, pos, cache=cache, cache_index=i, cache_block=4)
+      return out.cache, out.hidden[:, 0]
 
     _, hs = jax.lax.scan(step, cache, jnp.arange(P, T))
     return m.logits(jnp.concatenate([hidden, hs.swapaxes(0, 1)], axis=1))
@@ -300,8 +302,8 @@ def test_sampler_logprobs_match_the_trainer(saved):
 @functools.partial(nnx.jit, static_argnums=3)
 def _trainer_logprobs(model, tokens, mask, temperature):
   positions = model_lib.positions_from_mask(mask)
-  hidden, _ = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1])
-  return model_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)[
+  hidden = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1]).hidden
+  return heads_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)[
     "logprobs"
   ]
 

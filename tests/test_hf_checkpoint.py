@@ -67,7 +67,7 @@ def _batch():
 
 @nnx.jit
 def _forward(policy, tokens, mask, positions):
-  hidden, _ = policy(tokens, positions, attn_mask=mask)
+  hidden = policy(tokens, positions, attn_mask=mask).hidden
   return policy.logits(hidden)
 
 
@@ -131,13 +131,14 @@ def test_kv_cache_prefill_and_steps_match_full_forward(saved):
   def run(state, tokens, mask, positions, cache):
     m = nnx.merge(graphdef, state)
     prefill = (tokens[:, :P], positions[:, :P])
-    hidden, cache = m(*prefill, attn_mask=mask[:, :P], cache=cache, cache_index=0)
+    out = m(*prefill, attn_mask=mask[:, :P], cache=cache, cache_index=0)
+    hidden, cache = out.hidden, out.cache
 
     def step(cache, i):
       tok = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, i, 1, axis=1)
-      h, cache = m(tok, pos, cache=cache, cache_index=i)
-      return cache, h[:, 0]
+      out = m(tok, pos, cache=cache, cache_index=i)
+      return out.cache, out.hidden[:, 0]
 
     cache, hs = jax.lax.scan(step, cache, jnp.arange(P, T))
     return m.logits(jnp.concatenate([hidden, hs.swapaxes(0, 1)], axis=1)), cache

@@ -69,9 +69,9 @@ def _spy_packed(monkeypatch):
 def test_hidden_states_equal_the_row_forward(state, attention_impl, monkeypatch):
   b = _batch()
   m = nnx.merge(_graphdef(attention_impl), state)
-  rows = m(b.inputs, b.positions, attn_mask=b.attn)[0][:, P - 1 :]
+  rows = m(b.inputs, b.positions, attn_mask=b.attn).hidden[:, P - 1 :]
   packed = _spy_packed(monkeypatch)
-  shared = m.shared_prompt_hidden(b.inputs, b.positions, b.attn, prompt_len=P, group_size=G)
+  shared = m.shared_prompt_hidden(b.inputs, b.positions, b.attn, prompt_len=P, group_size=G).hidden
   # Dense attends on the packed groups (22 tokens, scores 484 per group against the rows'
   # 4 x 100); blockwise on the rows.
   assert len(packed) == (attention_impl == "dense")
@@ -154,9 +154,11 @@ def test_packed_attention_only_where_its_scores_are_few(state, monkeypatch):
     resp_mask, logq=np.zeros((n, r_len)), adv=np.zeros(n),
   )  # fmt: skip
   m = nnx.merge(_graphdef("dense"), state)
-  rows = m(b.inputs, b.positions, attn_mask=b.attn)[0][:, p_len - 1 :]
+  rows = m(b.inputs, b.positions, attn_mask=b.attn).hidden[:, p_len - 1 :]
   packed = _spy_packed(monkeypatch)
-  shared = m.shared_prompt_hidden(b.inputs, b.positions, b.attn, prompt_len=p_len, group_size=G)
+  shared = m.shared_prompt_hidden(
+    b.inputs, b.positions, b.attn, prompt_len=p_len, group_size=G
+  ).hidden
   assert not packed  # 45^2 = 2025 > 2 * 4 * 12^2 = 1152
   real = np.concatenate([np.ones((n, 1), bool), b.attn[:, p_len:]], axis=1)
   chex.assert_trees_all_close(
@@ -262,10 +264,10 @@ def test_response_extent_and_trim(state):
   one_col = jax.tree.map(jnp.asarray, train_step.trim_responses(tiny, P, 1))
   assert one_col.inputs.shape == (short.num_rows, P)
   m = nnx.merge(_graphdef("dense"), state)
-  rows = m(one_col.inputs, one_col.positions, attn_mask=one_col.attn)[0][:, P - 1 :]
+  rows = m(one_col.inputs, one_col.positions, attn_mask=one_col.attn).hidden[:, P - 1 :]
   shared = m.shared_prompt_hidden(
     one_col.inputs, one_col.positions, one_col.attn, prompt_len=P, group_size=G
-  )
+  ).hidden
   assert shared.shape == rows.shape == (short.num_rows, 1, CFG.hidden_size)
   chex.assert_trees_all_close(shared, rows, atol=2e-5)
 

@@ -65,7 +65,7 @@ def scaled_logits(model, prompts, outputs):
   out = outputs["truncated"]
   tokens = jnp.concatenate([prompts[0], out.tokens], axis=1)
   mask = jnp.concatenate([prompts[1], out.mask], axis=1)
-  hidden, _ = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask)
+  hidden = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask).hidden
   logits = np.asarray(model.logits(hidden), np.float64)
   p = prompts[0].shape[1]
   return logits[:, p - 1 : p - 1 + N] / T

@@ -17,6 +17,7 @@ from gppo_jax import config_lib, errors, train
 from gppo_jax.algorithm import objective
 from gppo_jax.generation import sampler
 from gppo_jax.models import architectures, hf_checkpoint
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import experiment, train_step
 
@@ -66,7 +67,7 @@ def _tokens(B=2, T=9, vocab=64):
 
 def _random_adapters(params, seed=1, scale=0.1):
   """The policy state with every adapter (A and B) random, so that the adapters matter."""
-  adapters, base = model_lib.split_lora(params)
+  adapters, base = lora_lib.split_lora(params)
   leaves, tree = jax.tree.flatten(adapters)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   pairs = zip(keys, leaves, strict=True)
@@ -77,9 +78,9 @@ def _random_adapters(params, seed=1, scale=0.1):
 def _merged_base(cfg, base_graphdef, params):
   """The base model (no adapters) with W + s A B in each adapted weight: the reference."""
   graphdef = model_lib.abstract_graphdef(cfg)
-  merged = model_lib.merge_lora_weights(cfg, nnx.merge(graphdef, params).layers.arrays())
+  merged = lora_lib.merge_lora_weights(cfg, nnx.merge(graphdef, params).layers.arrays())
   # New Variables (tree.map), so that setting them leaves `params` as it is.
-  base = nnx.merge(base_graphdef, jax.tree.map(lambda x: x, model_lib.split_lora(params)[1]))
+  base = nnx.merge(base_graphdef, jax.tree.map(lambda x: x, lora_lib.split_lora(params)[1]))
   for name, value in merged.items():
     getattr(base.layers, name).set_value(value)
   return base
@@ -99,7 +100,7 @@ def test_adapters_add_their_low_rank_term_to_the_targeted_projections(targets, r
   base_graphdef, base_params = nnx.split(model_lib.create(base_cfg, 0))
   graphdef, params = model_lib.with_lora(cfg, base_params, seed=0)
   tokens, mask, positions = _tokens()
-  fwd = lambda m: m(tokens, positions, attn_mask=mask)[0]
+  fwd = lambda m: m(tokens, positions, attn_mask=mask).hidden
   base_out = fwd(nnx.merge(base_graphdef, base_params))
   np.testing.assert_array_equal(fwd(nnx.merge(graphdef, params)), base_out)
   params = _random_adapters(params)
@@ -114,10 +115,10 @@ def test_dropout_draws_from_the_key_and_only_in_training():
   graphdef, params = model_lib.with_lora(cfg, nnx.split(model_lib.create(cfg.without_lora()))[1])
   m = nnx.merge(graphdef, _random_adapters(params))
   tokens, mask, positions = _tokens()
-  plain = m(tokens, positions, attn_mask=mask)[0]
-  a = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(0))[0]
-  b = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(0))[0]
-  c = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(1))[0]
+  plain = m(tokens, positions, attn_mask=mask).hidden
+  a = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(0)).hidden
+  b = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(0)).hidden
+  c = m(tokens, positions, attn_mask=mask, lora_key=jax.random.key(1)).hidden
   np.testing.assert_array_equal(a, b)
   assert float(jnp.abs(a - c).max()) > 1e-3 and float(jnp.abs(a - plain).max()) > 1e-3
 
@@ -168,7 +169,7 @@ def test_only_the_adapters_train_and_carry_optimizer_state():
 def test_the_kl_reference_is_the_base_with_the_adapters_off():
   """Zero adapters beside the frozen base (train.py's reference) score like the base model."""
   cfg, graphdef, tx, state, batch, spec = _update_setup()
-  trained = state.replace(params=model_lib.split_lora(_random_adapters(state.policy()))[0])
+  trained = state.replace(params=lora_lib.split_lora(_random_adapters(state.policy()))[0])
   logprobs = train_step.make_logprob_fn(graphdef, prompt_len=spec.prompt_len, temperature=1.0)
   ref = trained.policy(train._reference(trained))
   base_graphdef = model_lib.abstract_graphdef(cfg.without_lora())
@@ -263,7 +264,7 @@ def test_peft_loads_the_exported_adapters_with_our_logits(kind, targets, tmp_pat
   graphdef, params = nnx.split(policy)
   policy = nnx.merge(graphdef, _random_adapters(params, scale=0.2))
   tokens, mask, positions = _tokens(T=11, vocab=96)
-  ours = np.asarray(policy.logits(policy(tokens, positions, attn_mask=mask)[0]))
+  ours = np.asarray(policy.logits(policy(tokens, positions, attn_mask=mask).hidden))
   m = np.asarray(mask)
 
   adapter = hf_checkpoint.save_peft_adapter(policy, tmp_path / "adapter", base_model=base_path)
@@ -448,8 +449,8 @@ def test_a_restore_gets_the_warm_started_base_back(tmp_path):
   _, resumed, *_ = experiment.build_policy(c, say=lambda *_: None, warm_start=False)
   c.model.lora.rank = 0
   _, random_init, *_ = experiment.build_policy(c, say=lambda *_: None, warm_start=False)
-  base = model_lib.split_lora(warm)[1]
-  jax.tree.map(np.testing.assert_array_equal, model_lib.split_lora(resumed)[1], base)
+  base = lora_lib.split_lora(warm)[1]
+  jax.tree.map(np.testing.assert_array_equal, lora_lib.split_lora(resumed)[1], base)
   pairs = zip(jax.tree.leaves(random_init), jax.tree.leaves(base), strict=True)
   assert not all(np.array_equal(a, b) for a, b in pairs)
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gppo_jax.algorithm import objective
-from gppo_jax.models import architectures, low_precision, model, sharding
+from gppo_jax.models import architectures, heads, low_precision, model, sharding
 from gppo_jax.trainer import train_step
 
 
@@ -55,12 +55,12 @@ def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
 
   def grad(custom_vjp):
     loss = lambda x, w: jnp.sum(
-      jnp.sin(model.project(x, w, custom_vjp=custom_vjp).astype(jnp.float32)) * cot
+      jnp.sin(low_precision.project(x, w, custom_vjp=custom_vjp).astype(jnp.float32)) * cot
     )
     return jax.grad(loss, argnums=(0, 1))
 
   assert _compiled_dot_operands(grad(True), x, w) == [("bf16", "bf16")] * 3
-  y, y_ref = model.project(x, w), model.project(x, w, custom_vjp=False)
+  y, y_ref = low_precision.project(x, w), low_precision.project(x, w, custom_vjp=False)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(y, np.float32), np.asarray(y_ref, np.float32), rtol=2e-2, atol=2e-2
@@ -73,7 +73,7 @@ def test_bf16_projection_multiplies_in_bf16_forward_and_backward():
 
 @pytest.mark.parametrize("hidden_size", [96, 32])
 def test_bf16_tied_head_multiplies_in_bf16(hidden_size):
-  """The tied head's forward and both backward products (`model._head_with_backward`) in bf16,
+  """The tied head's forward and both backward products (`heads._head_with_backward`) in bf16,
   its weight gradient over a row-major copy of the logits' gradient, with fewer or more rows
   than the hidden size."""
   if not _xla_multiplies_bf16_natively():
@@ -84,7 +84,7 @@ def test_bf16_tied_head_multiplies_in_bf16(hidden_size):
   targets = jnp.arange(2 * 64).reshape(2, 64) % 256
 
   def loss(h, w):
-    return jnp.sum(model.chunked_logprob_stats(h, w, targets, tied=True)["logprobs"])
+    return jnp.sum(heads.chunked_logprob_stats(h, w, targets, tied=True)["logprobs"])
 
   dots = _compiled_dot_operands(jax.grad(loss, argnums=(0, 1)), hidden, w)
   assert len(dots) == 3 and all(d == ("bf16", "bf16") for d in dots), dots

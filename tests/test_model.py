@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from gppo_jax import errors
-from gppo_jax.models import architectures, attention, low_precision, model, partitioning
+from gppo_jax.models import architectures, attention, heads, low_precision, model, partitioning
 
 CFG = architectures.get("tiny", attention_bias=True, qk_norm=True, family="qwen3")
 
@@ -33,7 +33,7 @@ def _batch(B=3, T=13, seed=0):
 
 @nnx.jit
 def _hidden(m, tokens, mask, positions):
-  return m(tokens, positions, attn_mask=mask)[0]
+  return m(tokens, positions, attn_mask=mask).hidden
 
 
 def _naive(m, hidden, targets, temperature):
@@ -53,12 +53,12 @@ def _naive(m, hidden, targets, temperature):
 def test_project_equals_the_einsum_in_values_and_gradients(x_shape, w_shape, contract, spec):
   kx, kw = jax.random.split(jax.random.key(0))
   x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
-  got = model.project(x, w, contract)
+  got = low_precision.project(x, w, contract)
   want = jnp.einsum(spec, x, w)
   chex.assert_shape(got, want.shape)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   cot = jax.random.normal(jax.random.key(1), want.shape)
-  g_got = jax.grad(lambda x, w: jnp.sum(model.project(x, w, contract) * cot), (0, 1))(x, w)
+  g_got = jax.grad(lambda x, w: jnp.sum(low_precision.project(x, w, contract) * cot), (0, 1))(x, w)
   g_want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * cot), (0, 1))(x, w)
   for a, b in zip(g_got, g_want, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -72,7 +72,7 @@ def test_chunked_stats_equal_naive(policy, chunk_size):
   hidden = _hidden(policy, tokens, mask, positions)
   ids = np.stack([targets, (targets * 7 + 3) % CFG.vocab_size], -1)
   stats = jax.jit(
-    lambda h, t, i: model.chunked_logprobs(
+    lambda h, t, i: heads.chunked_logprobs(
       policy, h, t, temperature=0.7, chunk_size=chunk_size, gather_ids=i, entropy=True, top_k=4
     )
   )(hidden, targets, ids)
@@ -101,7 +101,7 @@ def test_chunked_head_gradients_equal_naive(tied, chunk_size):
   weights = jnp.asarray(rng.random((B, T)), jnp.float32)
 
   def chunked(h, w):
-    s = model.chunked_logprob_stats(
+    s = heads.chunked_logprob_stats(
       h, w, targets, tied=tied, temperature=0.8, chunk_size=chunk_size, entropy=True
     )
     return jnp.sum(weights * (s["logprobs"] + 0.3 * s["entropy"]))
@@ -130,7 +130,7 @@ def test_bf16_head_backward_multiplies_bf16_operands_and_matches_float32(tied, c
   weights = jnp.asarray(rng.random((B, T)), jnp.float32)
 
   def loss(h, w):
-    s = model.chunked_logprob_stats(h, w, targets, tied=tied, chunk_size=chunk_size, entropy=True)
+    s = heads.chunked_logprob_stats(h, w, targets, tied=tied, chunk_size=chunk_size, entropy=True)
     return jnp.sum(weights * (s["logprobs"] + 0.3 * s["entropy"]))
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -156,16 +156,16 @@ def test_default_head_chunks_and_rematerialises_only_large_logits(monkeypatch):
   targets = jnp.zeros((B, T), jnp.int32)
 
   def program(**kw):
-    loss = lambda h: jnp.sum(model.chunked_logprob_stats(h, w, targets, **kw)["logprobs"])
+    loss = lambda h: jnp.sum(heads.chunked_logprob_stats(h, w, targets, **kw)["logprobs"])
     return str(jax.make_jaxpr(jax.grad(loss))(h))
 
-  assert B * T * V * 4 <= model.ONE_CHUNK_BYTES
+  assert B * T * V * 4 <= heads.ONE_CHUNK_BYTES
   assert "checkpoint" not in program() and "remat" not in program()
   assert "checkpoint" in program(chunk_size=128) or "remat" in program(chunk_size=128)
-  monkeypatch.setattr(model, "ONE_CHUNK_BYTES", B * T * V * 4 - 1)
+  monkeypatch.setattr(heads, "ONE_CHUNK_BYTES", B * T * V * 4 - 1)
   big = program()
   assert "checkpoint" in big or "remat" in big
-  assert f"{B},{model.CHUNK_SIZE},{V}" in big.replace(" ", "")  # [B, 128, V] chunk logits
+  assert f"{B},{heads.CHUNK_SIZE},{V}" in big.replace(" ", "")  # [B, 128, V] chunk logits
 
 
 def test_left_padding_and_causality(policy):
@@ -195,16 +195,16 @@ def test_kv_cache_matches_full_forward(policy):
   def decode(state):
     m = nnx.merge(graphdef, state)
     cache = model.init_cache(CFG, 3, 16)
-    h0, cache = m(
-      tokens[:, :6], positions[:, :6], attn_mask=mask[:, :6], cache=cache, cache_index=0
-    )
-    h1, cache = m(tokens[:, 6:9], positions[:, 6:9], cache=cache, cache_index=6)  # 3-token chunk
+    out = m(tokens[:, :6], positions[:, :6], attn_mask=mask[:, :6], cache=cache, cache_index=0)
+    h0, cache = out.hidden, out.cache
+    out = m(tokens[:, 6:9], positions[:, 6:9], cache=cache, cache_index=6)  # 3-token chunk
+    h1, cache = out.hidden, out.cache
 
     def step(cache, i):
       tok = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, i, 1, axis=1)
-      h, cache = m(tok, pos, cache=cache, cache_index=i)
-      return cache, h[:, 0]
+      out = m(tok, pos, cache=cache, cache_index=i)
+      return out.cache, out.hidden[:, 0]
 
     cache, hs = jax.lax.scan(step, cache, jnp.arange(9, 13))
     return jnp.concatenate([h0, h1, hs.swapaxes(0, 1)], axis=1), cache
@@ -226,16 +226,17 @@ def test_decode_step_matches_full_forward(policy):
   def decode(state):
     m = nnx.merge(graphdef, state)
     first = (tokens[:, :9], positions[:, :9])
-    _, prefill = m(*first, attn_mask=mask[:, :9], cache=model.init_cache(CFG, 3, 9), cache_index=0)
-    cache = model.LayerCache.from_stacked(prefill).grow(11)
+    prefill = m(*first, attn_mask=mask[:, :9], cache=model.init_cache(CFG, 3, 9), cache_index=0)
+    cache = model.LayerCache.from_stacked(prefill.cache).grow(11)
     weights = model.decode_weights(m)
     out = []
     for i in range(9, 13):
       cache = cache.grow(16) if i == 11 else cache
-      logits, cache = m.decode_step(
+      step = m.decode_step(
         tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache, i, weights
       )
-      out.append(logits)
+      cache = step.cache
+      out.append(step.logits)
     return jnp.stack(out, axis=1), cache
 
   got, cache = decode(state)
@@ -253,7 +254,9 @@ def test_bfloat16_compute_is_finite_and_close(policy):
   )
 
   def logprobs(m):
-    return model.chunked_logprobs(m, m(tokens, positions, attn_mask=mask)[0], targets)["logprobs"]
+    return heads.chunked_logprobs(m, m(tokens, positions, attn_mask=mask).hidden, targets)[
+      "logprobs"
+    ]
 
   both = nnx.jit(lambda m, bf: [logprobs(x) for x in (m, bf)])
   lp, lp_bf = both(policy, bf)
@@ -331,7 +334,7 @@ def _hidden_loss(base, T, seed):
     graphdef = model.abstract_graphdef(cfg)
 
     def loss(state):
-      hidden, _ = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask)
+      hidden = nnx.merge(graphdef, state)(tokens, positions, attn_mask=mask).hidden
       return jnp.sum(jnp.where(mask[..., None], hidden, 0.0) ** 2)
 
     return loss

@@ -16,7 +16,9 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from gppo_jax import errors
 from gppo_jax.generation import sampler
-from gppo_jax.models import architectures, hf_checkpoint, partitioning, sharding
+from gppo_jax.models import architectures, hf_checkpoint, moe, partitioning, sharding
+from gppo_jax.models import heads as heads_lib
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
 
 T = 12
@@ -71,8 +73,8 @@ def _hf(m, tokens, mask, positions):
 
 @nnx.jit
 def _forward(policy, tokens, mask, positions):
-  hidden, _, routing = policy(tokens, positions, attn_mask=mask, with_routing=True)
-  return policy.logits(hidden), routing
+  out = policy(tokens, positions, attn_mask=mask)
+  return policy.logits(out.hidden), out.routing
 
 
 def test_config_mapping():
@@ -150,8 +152,8 @@ def test_routing_replay_forces_experts_and_keeps_router_gradients(saved):
 
   def loss(params, forced):
     m = nnx.merge(graphdef, params)
-    hidden, _, r = m(tokens, positions, attn_mask=mask, expert_ids=forced, with_routing=True)
-    return jnp.sum(jnp.where(mask[..., None], m.logits(hidden), 0.0) ** 2) * 1e-3, r
+    out = m(tokens, positions, attn_mask=mask, expert_ids=forced)
+    return jnp.sum(jnp.where(mask[..., None], m.logits(out.hidden), 0.0) ** 2) * 1e-3, out.routing
 
   # Forcing the experts it chose changes nothing.
   (l0, _), g0 = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, jnp.asarray(ids))
@@ -239,11 +241,9 @@ def test_paged_engine_matches_the_fixed_batch_sampler(saved):
 @functools.partial(nnx.jit, static_argnums=3)
 def _trainer(model, tokens, mask, temperature):
   positions = model_lib.positions_from_mask(mask)
-  hidden, _, routing = model(
-    tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1], with_routing=True
-  )
-  lp = model_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)
-  return lp["logprobs"], routing.expert_ids
+  out = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1])
+  lp = heads_lib.chunked_logprobs(model, out.hidden, tokens[:, 1:], temperature=temperature)
+  return lp["logprobs"], out.routing.expert_ids
 
 
 def test_shared_prompt_forward_matches_rows(saved):
@@ -255,17 +255,80 @@ def test_shared_prompt_forward_matches_rows(saved):
   tokens = np.concatenate([np.repeat(prompt, G, 0), rng.integers(3, 128, (4, 6))], 1)
   mask = np.ones(tokens.shape, bool)
   positions = np.tile(np.arange(tokens.shape[1]), (4, 1))
-  hidden, _, routing = policy(tokens, positions, attn_mask=mask, with_routing=True)
-  shared, r = policy.shared_prompt_hidden(
-    tokens, positions, mask, prompt_len=P, group_size=G, with_routing=True
+  rows = policy(tokens, positions, attn_mask=mask)
+  shared = policy.shared_prompt_hidden(tokens, positions, mask, prompt_len=P, group_size=G)
+  np.testing.assert_allclose(
+    np.asarray(shared.hidden), np.asarray(rows.hidden)[:, P - 1 :], atol=1e-5
   )
-  np.testing.assert_allclose(np.asarray(shared), np.asarray(hidden)[:, P - 1 :], atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(r.expert_ids), np.asarray(routing.expert_ids))
-  forced, _ = policy.shared_prompt_hidden(
-    tokens, positions, mask, prompt_len=P, group_size=G, expert_ids=routing.expert_ids,
-    with_routing=True,
-  )  # fmt: skip
-  np.testing.assert_allclose(np.asarray(forced), np.asarray(shared), atol=1e-6)
+  np.testing.assert_array_equal(
+    np.asarray(shared.routing.expert_ids), np.asarray(rows.routing.expert_ids)
+  )
+  forced = policy.shared_prompt_hidden(
+    tokens, positions, mask, prompt_len=P, group_size=G, expert_ids=rows.routing.expert_ids
+  )
+  np.testing.assert_allclose(np.asarray(forced.hidden), np.asarray(shared.hidden), atol=1e-6)
+
+
+def test_under_vmap_is_an_argument_of_the_call(saved):
+  """The continuous engine's mode (`under_vmap`: the sorted dispatch traced inside `jax.vmap`) is
+  an argument, so one jitted forward serves both ways in one process, each compiled for its own:
+  per group, then over a group axis (a flag read while tracing would reuse the first trace,
+  whose ragged products do not batch). Both give the same hidden states and experts."""
+  _, path = saved
+  graphdef, params = nnx.split(hf_checkpoint.load_model(path))
+  tokens, mask, positions = (np.stack([a[:2], a[2:]]) for a in _batch(4))  # [R=2, 2, T]
+
+  @functools.partial(jax.jit, static_argnums=4)
+  def forward(params, tokens, mask, positions, under_vmap):
+    out = nnx.merge(graphdef, params)(tokens, positions, attn_mask=mask, under_vmap=under_vmap)
+    return out.hidden, out.routing.expert_ids
+
+  groups = [forward(params, tokens[r], mask[r], positions[r], False) for r in range(2)]
+  over = jax.vmap(lambda t, m, p: forward(params, t, m, p, True))(tokens, mask, positions)
+  for r, (hidden, ids) in enumerate(groups):
+    np.testing.assert_allclose(np.asarray(over[0][r]), np.asarray(hidden), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(over[1][r]), np.asarray(ids))
+  with pytest.raises(NotImplementedError, match="ragged_dot"):  # the argument is what matters
+    jax.vmap(lambda t, m, p: forward(params, t, m, p, False))(tokens, mask, positions)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_bad_value_under_vmap_stays_in_its_own_token(saved, bad):
+  """Under vmap the experts are broadcast over the group axis explicitly: a NaN or inf in one
+  token's activations (here the first row of the sorted dispatch, which the experts were once
+  made to depend on through `+ row[0, 0] * 0`) leaves every other token's output as it was."""
+  _, path = saved
+  policy = hf_checkpoint.load_model(path)
+  cfg = policy.cfg
+  w = {k: a[0] for k, a in policy.layers.arrays().items() if k.startswith("moe_")}
+  rng = np.random.default_rng(0)
+  R, N = 2, 6
+  x = rng.normal(size=(R, N, cfg.hidden_size)).astype(np.float32)
+  ids = np.stack([rng.permutation(E)[:K] for _ in range(R * N)]).reshape(R, N, K)
+  ids[:, 0, 0] = 0  # token 0's pair comes first in the sorted order
+  weights = rng.uniform(size=(R, N, K)).astype(np.float32)
+  run = jax.jit(
+    jax.vmap(lambda x, ids, weights: moe._experts_sorted(cfg, w, x, ids, weights, True))
+  )
+  clean = np.asarray(run(x, ids, weights))
+  x[:, 0, 0] = bad
+  got = np.asarray(run(x, ids, weights))
+  assert np.isfinite(clean).all() and not np.isfinite(got[:, 0]).all()
+  np.testing.assert_array_equal(got[:, 1:], clean[:, 1:])
+
+
+def test_ragged_dot_stand_in_is_part_of_the_config():
+  """The planner's stand-in for the experts' ragged products (one plain product of the same
+  shapes) is a ModelConfig field: each model traces its own, in any order in one process."""
+  tokens = jnp.ones((2, 8), jnp.int32)
+  positions = jnp.tile(jnp.arange(8), (2, 1))
+  for stand_in in (False, True, False):
+    cfg = architectures.get("char-tiny-moe", ragged_dot_stand_in=stand_in)
+    graphdef, state = nnx.split(
+      nnx.eval_shape(lambda c=cfg: model_lib.Transformer(c, rngs=nnx.Rngs(0)))
+    )
+    forward = lambda s, g=graphdef: nnx.merge(g, s)(tokens, positions).hidden
+    assert ("ragged_dot" in str(jax.make_jaxpr(forward)(state))) == (not stand_in)
 
 
 def test_expert_parallel_equals_unsharded(saved):
@@ -290,8 +353,9 @@ def test_expert_parallel_equals_unsharded(saved):
 
   def loss(params, graphdef):
     m = nnx.merge(graphdef, params)
-    hidden, _, r = m(tokens, positions, attn_mask=mask, with_routing=True)
-    return jnp.mean(m.logits(hidden) ** 2) + r.aux_loss, (m.logits(hidden), r.expert_ids)
+    out = m(tokens, positions, attn_mask=mask)
+    logits = m.logits(out.hidden)
+    return jnp.mean(logits**2) + out.routing.aux_loss, (logits, out.routing.expert_ids)
 
   graphdef, params = nnx.split(policy)
   batch_sharding = sharding.batch_shardings(tokens, mesh)
@@ -344,7 +408,7 @@ def test_lora_adapts_the_attention_of_a_mixture_of_experts(saved, tmp_path):
   assert policy.cfg.lora_weights == ("wq", "wk", "wv", "wo")
   graphdef, params = nnx.split(policy)
   flat = dict(nnx.to_flat_state(params))
-  b = ("layers", "wq" + model_lib.LORA_B)
+  b = ("layers", "wq" + lora_lib.LORA_B)
   flat[b] = flat[b].replace(0.3 * jnp.ones_like(flat[b].get_value()))  # adapters that matter
   policy = nnx.merge(graphdef, nnx.from_flat_state(flat))
   batch = _batch()

@@ -15,6 +15,7 @@ from flax import nnx
 
 from gppo_jax.generation import sampler
 from gppo_jax.models import architectures
+from gppo_jax.models import heads as heads_lib
 from gppo_jax.models import model as model_lib
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13, 14, 15, 16, 17]]  # left-padded to P = 8
@@ -60,17 +61,17 @@ def _greedy(get):
 @nnx.jit
 def _full_logits(model, tokens, mask):
   """No-cache forward over a whole (left-padded prompt + response) sequence: logits [B, T, V]."""
-  hidden, _ = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask)
+  hidden = model(tokens, model_lib.positions_from_mask(mask), attn_mask=mask).hidden
   return model.logits(hidden)
 
 
 @nnx.jit
 def _trainer_logprobs(model, tokens, mask, temperature):
   """The trainer's log-probs of tokens[:, 1:] given the prefix: a forward pass, then the chunked
-  head `model.chunked_logprobs`, as train_step does."""
+  head `heads.chunked_logprobs`, as train_step does."""
   positions = model_lib.positions_from_mask(mask)
-  hidden, _ = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1])
-  lp = model_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)
+  hidden = model(tokens[:, :-1], positions[:, :-1], attn_mask=mask[:, :-1]).hidden
+  lp = heads_lib.chunked_logprobs(model, hidden, tokens[:, 1:], temperature=temperature)
   return lp["logprobs"]
 
 

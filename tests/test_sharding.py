@@ -163,7 +163,7 @@ def test_sharded_update_matches_one_device(setup, shape):
 
 
 def test_bf16_update_on_a_vocab_sharded_mesh_matches_one_device(setup):
-  """bf16 compute (the head's own backward, `model._head_with_backward`) with the tied
+  """bf16 compute (the head's own backward, `heads._head_with_backward`) with the tied
   embedding's vocabulary split over tensor=4: the same loss and gradient norm as on one device,
   up to bf16 rounding, and finite parameters."""
   cfg = dataclasses.replace(setup["cfg"], dtype="bfloat16")

@@ -218,19 +218,64 @@ def policy_loss(
   Returns:
     (loss, metrics): metrics is a flat dict of scalars, including "loss/sum" and "loss/count".
   """
+  logp, logq, mask, advantages = _checked_inputs(
+    logp, logq, advantages, mask, loss, ref_logp, entropy, token_weight
+  )
+  aggregation, max_len = loss.aggregation, loss.max_len
+  valid = mask.astype(bool)
+  logp32 = logp.astype(jnp.float32)
+  # The behaviour log-prob is floored as in the estimators: log p <= 0, so log r <= 80 and r stays a
+  # finite float32 (an unfloored q < 1e-38 gives r = inf, and a masked token 0 * inf = NaN).
+  logq32 = jnp.maximum(logq.astype(jnp.float32), ests.LOG_PROB_FLOOR)
+  log_ratio, seq_log_ratio = _log_ratio(logp32, logq32, valid, loss.ratio_level)
+  ratio = jnp.exp(log_ratio)
+  ratio_sg = jax.lax.stop_gradient(ratio)
+  estimate = _divergence_estimate(logp32, logq32, seq_log_ratio, loss, estimator_kwargs)
+  trust = _trust_region(estimate, ratio_sg, advantages, valid, loss)
+  per_token_policy = _policy_term(log_ratio, ratio, trust["keep"], advantages, loss, token_weight)
+  per_token = per_token_policy
+
+  metrics: dict[str, Array] = {}
+  if loss.kl_coef:
+    # k3 estimate of KL(pi || ref) on samples from (approximately) pi.
+    log_ref_ratio = jnp.asarray(ref_logp, jnp.float32) - logp32
+    kl_ref = jnp.expm1(log_ref_ratio) - log_ref_ratio
+    per_token = per_token + loss.kl_coef * kl_ref
+    metrics["loss/kl_ref"] = aggregate_terms(kl_ref, valid, aggregation, max_len)
+  if loss.entropy_coef:
+    ent = jnp.asarray(entropy, jnp.float32)
+    per_token = per_token - loss.entropy_coef * ent
+    metrics["loss/entropy"] = aggregate_terms(ent, valid, aggregation, max_len)
+
+  total_sum, count = aggregate_terms(per_token, valid, aggregation, max_len)
+  denom = jnp.maximum(count, 1.0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+  value = total_sum / denom
+
+  policy_sum, _ = aggregate_terms(per_token_policy, valid, aggregation, max_len)
+  out_metrics = {
+    "loss/total": value,
+    "loss/policy": jax.lax.stop_gradient(policy_sum / jnp.maximum(count, 1.0)),
+    "loss/sum": jax.lax.stop_gradient(total_sum),
+    "loss/count": count,
+    **_trust_metrics(trust, estimate, ratio_sg, valid),
+  }
+  for key, (s, c) in metrics.items():
+    out_metrics[key] = jax.lax.stop_gradient(s / jnp.maximum(c, 1.0))
+  return value, out_metrics
+
+
+def _checked_inputs(logp, logq, advantages, mask, loss, ref_logp, entropy, token_weight):
+  """(logp, logq, mask, advantages [B, 1] or [B, T] float32) as arrays, after checking that
+  `policy_loss`'s inputs agree with each other and with `loss` (ValueError / TypeError)."""
   if not isinstance(loss, LossConfig):
     raise TypeError(
       f"policy_loss takes a LossConfig, got {type(loss).__name__}: "
       "policy_loss(logp, logq, adv, mask, LossConfig(divergence=..., estimator=..., delta_low=...))"
     )
-  delta_low, delta_high = loss.radii
-  aggregation, max_len = loss.aggregation, loss.max_len
-  ratio_cap, dual_clip = loss.ratio_cap, loss.dual_clip
-  kl_coef, entropy_coef = loss.kl_coef, loss.entropy_coef
-  if kl_coef and ref_logp is None:
-    raise ValueError(f"kl_coef = {kl_coef} needs ref_logp (the reference policy's log-probs)")
-  if entropy_coef and entropy is None:
-    raise ValueError(f"entropy_coef = {entropy_coef} needs entropy (per-token entropies)")
+  if loss.kl_coef and ref_logp is None:
+    raise ValueError(f"kl_coef = {loss.kl_coef} needs ref_logp (the reference policy's log-probs)")
+  if loss.entropy_coef and entropy is None:
+    raise ValueError(f"entropy_coef = {loss.entropy_coef} needs entropy (per-token entropies)")
   logp = jnp.asarray(logp)
   logq = jnp.asarray(logq)
   mask = jnp.asarray(mask)
@@ -249,83 +294,81 @@ def policy_loss(
   for name, arr in (("ref_logp", ref_logp), ("entropy", entropy), ("token_weight", token_weight)):
     if arr is not None and jnp.shape(arr) != logp.shape:
       raise ValueError(f"{name} must have shape {logp.shape}, got {jnp.shape(arr)}")
+  return logp, logq, mask, advantages
+
+
+def _log_ratio(logp32, logq32, valid, ratio_level: str) -> tuple[Array, Array | None]:
+  """(log r [B, T], which carries the gradient of log p; the sequence log-ratio [B, 1] at
+  ratio_level "sequence", else None)."""
+  log_ratio = logp32 - jax.lax.stop_gradient(logq32)
+  if ratio_level != "sequence":
+    return log_ratio, None
+  # GSPO-token: the value s_i = exp(mean_t l_t) on every token of response i, the gradient
+  # s_i grad log p_t of the token's own log-prob. log p is floored like log q, so every l_t and
+  # their mean lie in [-80, 80] and s_i is a finite float32; padding enters neither (its log p
+  # may be -inf, and -inf - -inf would be NaN).
+  logp_valid = jnp.where(valid, jnp.maximum(logp32, ests.LOG_PROB_FLOOR), 0.0)
+  seq_log_ratio = jax.lax.stop_gradient(sequence_log_ratio(logp_valid - logq32, valid)[:, None])
+  return seq_log_ratio + logp_valid - jax.lax.stop_gradient(logp_valid), seq_log_ratio
+
+
+def _divergence_estimate(logp32, logq32, seq_log_ratio, loss, estimator_kwargs) -> Array:
+  """The per-token divergence estimate [B, T] the trust region compares with its radii (no
+  gradient)."""
   div = divs.get(loss.divergence)
   est_fn = ests.get(loss.estimator)
-
-  valid = mask.astype(bool)
-  logp32 = logp.astype(jnp.float32)
-  # The behaviour log-prob is floored as in the estimators: log p <= 0, so log r <= 80 and r stays a
-  # finite float32 (an unfloored q < 1e-38 gives r = inf, and a masked token 0 * inf = NaN).
-  logq32 = jnp.maximum(logq.astype(jnp.float32), ests.LOG_PROB_FLOOR)
-  log_ratio = logp32 - jax.lax.stop_gradient(logq32)
-  if loss.ratio_level == "sequence":
-    # GSPO-token: the value s_i = exp(mean_t l_t) on every token of response i, the gradient
-    # s_i grad log p_t of the token's own log-prob. log p is floored like log q, so every l_t and
-    # their mean lie in [-80, 80] and s_i is a finite float32; padding enters neither (its log p
-    # may be -inf, and -inf - -inf would be NaN).
-    logp_valid = jnp.where(valid, jnp.maximum(logp32, ests.LOG_PROB_FLOOR), 0.0)
-    seq_log_ratio = jax.lax.stop_gradient(sequence_log_ratio(logp_valid - logq32, valid)[:, None])
-    log_ratio = seq_log_ratio + logp_valid - jax.lax.stop_gradient(logp_valid)
-  ratio = jnp.exp(log_ratio)
-  ratio_sg = jax.lax.stop_gradient(ratio)
-
-  if loss.ratio_level == "sequence":
+  if seq_log_ratio is not None:
     # The estimate of the whole response: f(s_i), MC on the sequence ratio (log q = 0 stands for
     # "log p - log q is the sequence's log-ratio"; the estimator floors it at -80 like any other).
     seq_l = jnp.broadcast_to(seq_log_ratio, logp32.shape)
-    estimate = jax.lax.stop_gradient(est_fn(div, seq_l, jnp.zeros_like(seq_l)))
-  else:
-    estimate = jax.lax.stop_gradient(
-      est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
-    )
-  neg = advantages < 0
-  out_low, out_high = trust_region_out(estimate, ratio_sg, advantages, valid, delta_low, delta_high)
-  out = out_high | out_low
-  if dual_clip is not None:
-    out_dual = neg & (ratio_sg > dual_clip) & valid
-    out = out | out_dual
-  keep = jax.lax.stop_gradient(1.0 - out.astype(jnp.float32))
+    return jax.lax.stop_gradient(est_fn(div, seq_l, jnp.zeros_like(seq_l)))
+  return jax.lax.stop_gradient(
+    est_fn(div, jax.lax.stop_gradient(logp32), logq32, **(estimator_kwargs or {}))
+  )
 
-  if ratio_cap is not None:
+
+def _trust_region(estimate, ratio_sg, advantages, valid, loss) -> dict[str, Array]:
+  """The tokens the trust region (and the dual clip) mask: bool [B, T] "out_low", "out_high",
+  "out" (all masked), "out_dual" (with loss.dual_clip), and "keep", float32 1 - out."""
+  delta_low, delta_high = loss.radii
+  out_low, out_high = trust_region_out(estimate, ratio_sg, advantages, valid, delta_low, delta_high)
+  trust = {"out_low": out_low, "out_high": out_high}
+  out = out_high | out_low
+  if loss.dual_clip is not None:
+    trust["out_dual"] = (advantages < 0) & (ratio_sg > loss.dual_clip) & valid
+    out = out | trust["out_dual"]
+  trust["out"] = out
+  trust["keep"] = jax.lax.stop_gradient(1.0 - out.astype(jnp.float32))
+  return trust
+
+
+def _policy_term(log_ratio, ratio, keep, advantages, loss, token_weight) -> Array:
+  """The surrogate's per-token policy term -keep * w * A [B, T], w the ratio (capped at
+  loss.ratio_cap), times the constant token_weight where given."""
+  if loss.ratio_cap is not None:
     # Value min(r, C), gradient min(r, C) * grad log p (r is s_i at the sequence level). The
     # carrier of the gradient is floored so that p = 0 (log r = -inf) gives 0, not -inf - -inf.
     carrier = jnp.maximum(log_ratio, 2.0 * ests.LOG_PROB_FLOOR)
-    weight = jnp.minimum(ratio_sg, ratio_cap) * jnp.exp(carrier - jax.lax.stop_gradient(carrier))
+    ratio_sg = jax.lax.stop_gradient(ratio)
+    weight = jnp.minimum(ratio_sg, loss.ratio_cap) * jnp.exp(
+      carrier - jax.lax.stop_gradient(carrier)
+    )
   else:
     weight = ratio
-  per_token_policy = -keep * weight * advantages
+  per_token = -keep * weight * advantages
   if token_weight is not None:
-    per_token_policy = per_token_policy * jax.lax.stop_gradient(
-      jnp.asarray(token_weight, jnp.float32)
-    )
-  per_token = per_token_policy
+    per_token = per_token * jax.lax.stop_gradient(jnp.asarray(token_weight, jnp.float32))
+  return per_token
 
-  metrics: dict[str, Array] = {}
-  if kl_coef:
-    # k3 estimate of KL(pi || ref) on samples from (approximately) pi.
-    log_ref_ratio = jnp.asarray(ref_logp, jnp.float32) - logp32
-    kl_ref = jnp.expm1(log_ref_ratio) - log_ref_ratio
-    per_token = per_token + kl_coef * kl_ref
-    metrics["loss/kl_ref"] = aggregate_terms(kl_ref, valid, aggregation, max_len)
-  if entropy_coef:
-    ent = jnp.asarray(entropy, jnp.float32)
-    per_token = per_token - entropy_coef * ent
-    metrics["loss/entropy"] = aggregate_terms(ent, valid, aggregation, max_len)
 
-  total_sum, count = aggregate_terms(per_token, valid, aggregation, max_len)
-  denom = jnp.maximum(count, 1.0) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-  value = total_sum / denom
-
-  policy_sum, _ = aggregate_terms(per_token_policy, valid, aggregation, max_len)
+def _trust_metrics(trust, estimate, ratio_sg, valid) -> dict[str, Array]:
+  """The trust region's, the estimate's and the ratio's metrics over the valid tokens."""
   n_tok = jnp.sum(valid.astype(jnp.float32))
-  out_metrics = {
-    "loss/total": value,
-    "loss/policy": jax.lax.stop_gradient(policy_sum / jnp.maximum(count, 1.0)),
-    "loss/sum": jax.lax.stop_gradient(total_sum),
-    "loss/count": count,
-    "trust/masked_frac": jnp.sum(out & valid) / jnp.maximum(n_tok, 1.0),
-    "trust/masked_frac_high": jnp.sum(out_high) / jnp.maximum(n_tok, 1.0),
-    "trust/masked_frac_low": jnp.sum(out_low) / jnp.maximum(n_tok, 1.0),
+  share = lambda x: jnp.sum(x) / jnp.maximum(n_tok, 1.0)
+  metrics = {
+    "trust/masked_frac": share(trust["out"] & valid),
+    "trust/masked_frac_high": share(trust["out_high"]),
+    "trust/masked_frac_low": share(trust["out_low"]),
     "div/estimate_mean": _masked_mean(estimate, valid, n_tok),
     "div/estimate_max": jnp.max(jnp.where(valid, estimate, 0.0)),
     "ratio/mean": _masked_mean(ratio_sg, valid, n_tok),
@@ -333,8 +376,6 @@ def policy_loss(
     "ratio/min": jnp.where(n_tok > 0, jnp.min(jnp.where(valid, ratio_sg, jnp.inf)), 1.0),
     "tokens/count": n_tok,
   }
-  if dual_clip is not None:
-    out_metrics["trust/dual_clip_frac"] = jnp.sum(out_dual) / jnp.maximum(n_tok, 1.0)
-  for key, (s, c) in metrics.items():
-    out_metrics[key] = jax.lax.stop_gradient(s / jnp.maximum(c, 1.0))
-  return value, out_metrics
+  if "out_dual" in trust:
+    metrics["trust/dual_clip_frac"] = share(trust["out_dual"])
+  return metrics

@@ -759,17 +759,17 @@ def _group_axes(spread: jax.sharding.NamedSharding | None) -> tuple[str, ...]:
 
 def _over_groups(fn, spread, impl, *args):
   """fn(*args) in every group at once (args with a leading group axis). The Pallas kernel on
-  several groups runs per shard (`paged.pallas_attention`): then fn gets shards=(mesh, axes)."""
-  with model_lib.experts_under_vmap():
-    R = jax.tree.leaves(args)[0].shape[0]
-    if impl == "pallas" and R > 1:
-      axes = _group_axes(spread)
-      run = functools.partial(fn, shards=(spread.mesh, axes))
-      return _spread_over(spread, jax.vmap(run, spmd_axis_name=axes)(*args))
-    if impl == "pallas":  # one group: called on it directly
-      out = fn(*jax.tree.map(lambda x: x[0], args))
-      return jax.tree.map(lambda x: x[None], out)
-    return _spread_over(spread, jax.vmap(fn)(*args))
+  several groups runs per shard (`paged.pallas_attention`): then fn gets shards=(mesh, axes).
+  fn traces the model as under `jax.vmap` (under_vmap=True) in every case."""
+  R = jax.tree.leaves(args)[0].shape[0]
+  if impl == "pallas" and R > 1:
+    axes = _group_axes(spread)
+    run = functools.partial(fn, shards=(spread.mesh, axes))
+    return _spread_over(spread, jax.vmap(run, spmd_axis_name=axes)(*args))
+  if impl == "pallas":  # one group: called on it directly
+    out = fn(*jax.tree.map(lambda x: x[0], args))
+    return jax.tree.map(lambda x: x[None], out)
+  return _spread_over(spread, jax.vmap(fn)(*args))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
@@ -777,8 +777,7 @@ def _admit(graphdef, sp, spread, shifted, params, state, *inputs):
   """`_admit_group` in every group at once (inputs with a leading group axis): (state, records
   [R, m G, 1, ...], cols [R, m G, 1])."""
   admit = lambda state, *inputs: _admit_group(graphdef, sp, shifted, params, state, *inputs)
-  with model_lib.experts_under_vmap():
-    return _spread_over(spread, jax.vmap(admit)(state, *inputs))
+  return _spread_over(spread, jax.vmap(admit)(state, *inputs))
 
 
 def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, slot_ids, row_keys,
@@ -792,7 +791,7 @@ def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, s
   N = sp.max_new_tokens
   positions = model_lib.positions_from_mask(p_mask)
   cache, logits, route = sampler_lib.prefill_prompts(
-    model, p_tok, p_mask, positions, sp.record_experts
+    model, p_tok, p_mask, positions, sp.record_experts, under_vmap=True
   )
   rep = lambda x: jnp.repeat(x, G, axis=0)  # per prompt -> per row [m G]
   pad = P - jnp.sum(p_mask, axis=1, dtype=jnp.int32)  # [m]
@@ -883,6 +882,7 @@ def _decode_step(cfg, sp, impl, weights, pool, rows, table, shards=None):
   logits, pool, route = paged.decode_step(
     cfg, weights, pool, rows["last_token"], rows["position"], table, rows["start"],
     rows["length"], live, with_routing=sp.record_experts, attention_impl=impl, shards=shards,
+    under_vmap=True,
   )  # fmt: skip
   keys = sampler_lib.step_keys(jax.random.wrap_key_data(rows["keys"]), rows["step"])
   drawn = sampler_lib._sample_token(logits, keys, sp)

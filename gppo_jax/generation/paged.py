@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gppo_jax.models import attention
+from gppo_jax.models import attention, heads
 from gppo_jax.models import model as model_lib
+from gppo_jax.models import moe as moe_lib
 from gppo_jax.models.architectures import ModelConfig
 
 TRASH_PAGE = 0
@@ -352,6 +353,7 @@ def decode_step(
   with_routing: bool = False,
   attention_impl: str = "gather",
   shards: tuple[jax.sharding.Mesh, tuple[str, ...]] | None = None,
+  under_vmap: bool = False,
 ) -> tuple[jax.Array, PagePool, jax.Array | None]:
   """One token per decode slot through the model over the paged cache.
 
@@ -360,7 +362,8 @@ def decode_step(
   others write to the trash page and their logits are to be ignored). Returns (float32 logits
   [S, vocab], the pool with the new keys and values, and with with_routing (models with
   experts) the experts each slot's token chose, int32 [S, num_layers, k], else None). The layers
-  run unrolled when weights.layers is a tuple (`DecodeWeights`), else in a scan.
+  run unrolled when weights.layers is a tuple (`DecodeWeights`), else in a scan. under_vmap:
+  traced inside `jax.vmap` (`model.Transformer.__call__`).
   """
   ps = pool.page_size
   rows = jnp.arange(tokens.shape[0])
@@ -396,7 +399,9 @@ def decode_step(
       # A traced flag (the layer scan): a local layer runs gather with the window.
       return jax.lax.cond(local, lambda: gather(scores.window), kernel)
 
-    x, route = model_lib.routed_decoder_layer(cfg, p, x, rope, attend, local, moe=moe)
+    x, route = model_lib.routed_decoder_layer(
+      cfg, p, x, rope, attend, local, moe=moe, under_vmap=under_vmap
+    )
     return x, pk, pv, (route.expert_ids[:, 0] if with_routing else None)
 
   if isinstance(weights.layers, tuple):  # unrolled: each layer's kind known statically
@@ -407,7 +412,7 @@ def decode_step(
       routes.append(route)
     routes = jnp.stack(routes, axis=1) if with_routing else None
   else:
-    flags, kinds = model_lib.local_flags(cfg), model_lib.moe_flags(cfg)
+    flags, kinds = model_lib.local_flags(cfg), moe_lib.moe_flags(cfg)
 
     def scanned(carry, xs):
       x, pk, pv = carry
@@ -421,7 +426,7 @@ def decode_step(
     (x, pk, pv), routes = jax.lax.scan(scanned, (x, pool.k, pool.v), xs)
     routes = jnp.moveaxis(routes, 0, 1) if with_routing else None
   hidden = model_lib.norm(cfg, x[:, 0], weights.final_norm)
-  logits = model_lib.final_softcap(cfg, model_lib.head_logits(hidden, weights.head, tied=True))
+  logits = model_lib.final_softcap(cfg, heads.head_logits(hidden, weights.head, tied=True))
   return logits, PagePool(k=pk, v=pv), routes
 
 

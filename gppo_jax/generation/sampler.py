@@ -11,7 +11,7 @@ Every way of drawing responses lives here:
 
 Behaviour log-probs. By default (`logprobs_mode="tempered"`) the sampler returns, for every
 generated token, log softmax(logits / T)[token]: exactly what the trainer recomputes with
-`model.chunked_logprobs(..., temperature=T)`, so the importance ratio pi_theta / mu is 1 at the
+`heads.chunked_logprobs(..., temperature=T)`, so the importance ratio pi_theta / mu is 1 at the
 start of an update (a mismatch here silently biases RL). With top-k / top-p the tokens are actually
 drawn from the *truncated* renormalised distribution, which differs from softmax(logits / T); pass
 `logprobs_mode="truncated"` to get log-probs (and top-K) under the distribution really sampled from.
@@ -406,8 +406,8 @@ def _record(
 
 
 def _prefill(model, tokens, mask, positions, group_size: int, with_routing: bool = False):
-  """Runs each group's prompt once: (cache of B rows x P slots, first-token logits f32 [B, V]),
-  and with_routing the experts of each row's last prompt token, int32 [B, L, k].
+  """Runs each group's prompt once: (cache of B rows x P slots, first-token logits f32 [B, V],
+  with_routing the experts of each row's last prompt token, int32 [B, L, k], else None).
 
   tokens / mask / positions [B, P] hold B / group_size groups of identical consecutive rows; the
   first row of each group is run and its cache and last logits are repeated over the group.
@@ -423,23 +423,23 @@ def _prefill(model, tokens, mask, positions, group_size: int, with_routing: bool
     cache = model_lib.KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), mask=rep(cache.mask, 0))
     logits = rep(logits, 0)
     route = None if route is None else rep(route, 0)
-  if with_routing:
-    return cache, logits, route
-  return cache, logits
+  return cache, logits, route
 
 
-def prefill_prompts(model, tokens, mask, positions, with_routing: bool = False):
+def prefill_prompts(
+  model, tokens, mask, positions, with_routing: bool = False, *, under_vmap: bool = False
+):
   """Runs prompts [M, P] (left-padded) through the model once: (their dense cache of P slots,
   float32 logits [M, V] of each one's next token, and with_routing the experts of each one's last
-  token, int32 [M, L, k], else None). What both samplers prefill with."""
+  token, int32 [M, L, k], else None). What both samplers prefill with; under_vmap as
+  `Transformer.__call__`'s (the continuous engine)."""
   cache = model_lib.init_cache(model.cfg, tokens.shape[0], tokens.shape[1])
   out = model(
     tokens, positions, attn_mask=mask, cache=cache, cache_index=jnp.int32(0),
-    with_routing=with_routing,
+    under_vmap=under_vmap,
   )  # fmt: skip
-  hidden, cache = out[:2]
-  route = out[2].expert_ids[:, -1] if with_routing else None
-  return cache, model.logits(hidden[:, -1]).astype(jnp.float32), route
+  route = out.routing.expert_ids[:, -1] if with_routing else None
+  return out.cache, model.logits(out.hidden[:, -1]).astype(jnp.float32), route
 
 
 def phase_ends(prompt_len: int, max_new_tokens: int) -> list[int]:
@@ -492,27 +492,15 @@ def sample(
   model = nnx.merge(graphdef, params)
   if model.cfg.lora_rank and model_lib.SAMPLER_MERGES_LORA:  # the adapters merged, once
     model = model_lib.merge_lora(model)
-  cfg = model.cfg
-  if sampling.num_topk > cfg.vocab_size:
-    raise ValueError(f"num_topk={sampling.num_topk} exceeds the vocabulary ({cfg.vocab_size})")
   batch, prompt_len = prompt_tokens.shape
-  if group_size < 1 or batch % group_size:
-    raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({batch} rows)")
+  _check_sample_args(model.cfg, sampling, batch, group_size, decode_block)
   n = sampling.max_new_tokens
-  if decode_block < 1:
-    raise ValueError(f"decode_block must be >= 1, got {decode_block}")
   prompt_tokens = prompt_tokens.astype(jnp.int32)
   prompt_mask = prompt_mask.astype(bool)
   positions = model_lib.positions_from_mask(prompt_mask)
 
   record = sampling.record_experts
-  if record and not cfg.is_moe:
-    raise ValueError("SamplingParams.record_experts: the model has no experts (num_experts=0)")
-  route = None
-  if record:
-    cache, logits, route = _prefill(model, prompt_tokens, prompt_mask, positions, group_size, True)
-  else:
-    cache, logits = _prefill(model, prompt_tokens, prompt_mask, positions, group_size)
+  cache, logits, route = _prefill(model, prompt_tokens, prompt_mask, positions, group_size, record)
   if unroll_layers is None:
     unroll_layers = jax.default_backend() == "cpu"
   if unroll_layers:
@@ -521,50 +509,25 @@ def sample(
     ends = phase_ends(prompt_len, n)
   else:
     ends = [prompt_len + n - 1]  # the last token drawn is never fed back
-  k = sampling.num_topk
-  state = SamplerState(
-    step=jnp.int32(0),
-    cache=cache,
-    last_token=jnp.zeros((batch,), jnp.int32),
-    position=positions[:, -1],
-    done=jnp.zeros((batch,), bool),
-    tokens=jnp.full((batch, n), sampling.pad_id, jnp.int32),
-    logprobs=jnp.zeros((batch, n), jnp.float32),
-    mask=jnp.zeros((batch, n), bool),
-    topk_logprobs=jnp.full((batch, n, k), -jnp.inf, jnp.float32) if k else None,
-    topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
-    kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
-    entropy=jnp.zeros((batch, n), jnp.float32),
-    limit=None if row_limits is None else jnp.asarray(row_limits, jnp.int32),
-    expert_ids=(
-      jnp.full((batch, n, cfg.num_layers, cfg.num_experts_per_tok), -1, EXPERT_ID_DTYPE)
-      if record
-      else None
-    ),
-  )
+  state = _initial_state(model.cfg, sampling, cache, positions[:, -1], row_limits)
   state = _record(state, *_sample_token(logits, step_keys(rng, 0), sampling), sampling, route)
 
   def body(s: SamplerState) -> SamplerState:
     # Feeds the token written at step - 1 (cache slot P + step - 1) and draws the token at `step`.
     args = (s.last_token[:, None], s.position[:, None])
     slot = prompt_len + s.step - 1
-    route = None
     if unroll_layers:
-      out = model.decode_step(
-        *args, ~s.done[:, None], s.cache, slot, weights, with_routing=record
-      )  # fmt: skip
-      logits, new_cache = out[:2]
-      route = out[2] if record else None
+      out = model.decode_step(*args, ~s.done[:, None], s.cache, slot, weights)
+      logits = out.logits
     else:
       out = model(
         *args, attn_mask=~s.done[:, None], cache=s.cache, cache_index=slot,
-        cache_block=decode_block, with_routing=record,
+        cache_block=decode_block,
       )  # fmt: skip
-      hidden, new_cache = out[:2]
-      route = out[2].expert_ids[:, 0] if record else None
-      logits = model.logits(hidden[:, 0])
+      logits = model.logits(out.hidden[:, 0])
+    route = out.routing.expert_ids[:, 0] if record else None
     drawn = _sample_token(logits, step_keys(rng, s.step), sampling)
-    return _record(s.replace(cache=new_cache), *drawn, sampling, route)
+    return _record(s.replace(cache=out.cache), *drawn, sampling, route)
 
   s = state
   for end in ends:  # steps up to end - P write the slots < end
@@ -580,6 +543,44 @@ def sample(
     kept_ids=s.kept_ids,
     entropy=s.entropy,
     expert_ids=s.expert_ids,
+  )
+
+
+def _check_sample_args(cfg, sampling: SamplingParams, batch: int, group_size: int, block: int):
+  """Raises ValueError for `sample` arguments that do not fit the model or the batch."""
+  if sampling.num_topk > cfg.vocab_size:
+    raise ValueError(f"num_topk={sampling.num_topk} exceeds the vocabulary ({cfg.vocab_size})")
+  if group_size < 1 or batch % group_size:
+    raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({batch} rows)")
+  if block < 1:
+    raise ValueError(f"decode_block must be >= 1, got {block}")
+  if sampling.record_experts and not cfg.is_moe:
+    raise ValueError("SamplingParams.record_experts: the model has no experts (num_experts=0)")
+
+
+def _initial_state(cfg, sampling: SamplingParams, cache, position, row_limits) -> SamplerState:
+  """The decode loop's state before the first token: the prefilled cache, each row's last
+  prompt position [B], empty records of sampling.max_new_tokens tokens."""
+  batch, n, k = position.shape[0], sampling.max_new_tokens, sampling.num_topk
+  return SamplerState(
+    step=jnp.int32(0),
+    cache=cache,
+    last_token=jnp.zeros((batch,), jnp.int32),
+    position=position,
+    done=jnp.zeros((batch,), bool),
+    tokens=jnp.full((batch, n), sampling.pad_id, jnp.int32),
+    logprobs=jnp.zeros((batch, n), jnp.float32),
+    mask=jnp.zeros((batch, n), bool),
+    topk_logprobs=jnp.full((batch, n, k), -jnp.inf, jnp.float32) if k else None,
+    topk_ids=jnp.full((batch, n, k), sampling.pad_id, jnp.int32) if k else None,
+    kept_ids=jnp.full((batch, n, kw), -1, jnp.int32) if (kw := sampling.kept_width) else None,
+    entropy=jnp.zeros((batch, n), jnp.float32),
+    limit=None if row_limits is None else jnp.asarray(row_limits, jnp.int32),
+    expert_ids=(
+      jnp.full((batch, n, cfg.num_layers, cfg.num_experts_per_tok), -1, EXPERT_ID_DTYPE)
+      if sampling.record_experts
+      else None
+    ),
   )
 
 

@@ -137,7 +137,7 @@ class ModelConfig:
   # Mixture of experts (Qwen3-MoE): num_experts > 0 replaces the MLP of every layer not in
   # dense_layers by num_experts SwiGLU experts of moe_intermediate_size, stacked [E, ...], and a
   # router: softmax over the experts in float32, the num_experts_per_tok most probable per token,
-  # their probabilities renormalised to sum to one when norm_topk_prob (`model.moe_mlp`).
+  # their probabilities renormalised to sum to one when norm_topk_prob (`moe.moe_mlp`).
   # dense_layers keep the dense MLP of intermediate_size (HF's mlp_only_layers and
   # decoder_sparse_step). LoRA adapts only the attention of such a model.
   num_experts: int = 0
@@ -146,6 +146,10 @@ class ModelConfig:
   norm_topk_prob: bool = True
   dense_layers: tuple[int, ...] = ()
   moe_dispatch: str = "sorted"  # MOE_DISPATCH
+  # The planner only (plan.py compiles on CPU for GPU / TPU targets): the sorted dispatch's
+  # ragged products traced as one product of the same shapes (`moe._ragged_dot`), as a native
+  # ragged_dot holds them; not for running a model.
+  ragged_dot_stand_in: bool = False
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):

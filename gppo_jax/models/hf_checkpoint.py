@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gppo_jax import errors, files
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.models import partitioning
 from gppo_jax.models import tokenizer as tokenizer_lib
@@ -428,12 +429,12 @@ def _parse_size(size: int | str) -> int:
 
 def hf_tensors(model: Transformer, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
   """(Hugging Face name, numpy tensor) pairs of the model's weights, in checkpoint order. LoRA
-  adapters are merged into their weights (`model.merge_lora_weights`)."""
+  adapters are merged into their weights (`lora.merge_lora_weights`)."""
   cfg = model.cfg
   np_dtype = jnp.dtype(dtype or cfg.param_dtype)
   flat = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   if cfg.lora_rank:
-    merged = model_lib.merge_lora_weights(cfg, model.layers.arrays())
+    merged = lora_lib.merge_lora_weights(cfg, model.layers.arrays())
     flat.update({("layers", name): merged[name] for name in cfg.lora_weights})
   for key, spec in param_specs(cfg).items():
     arr = np.asarray(jax.device_get(flat[key]))
@@ -550,8 +551,8 @@ def peft_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
   stacked = model.layers.arrays()
   for i in range(cfg.num_layers):
     for name in cfg.lora_weights:
-      a = np.asarray(jax.device_get(stacked[name + model_lib.LORA_A][i]), np.float32)
-      b = np.asarray(jax.device_get(stacked[name + model_lib.LORA_B][i]), np.float32)
+      a = np.asarray(jax.device_get(stacked[name + lora_lib.LORA_A][i]), np.float32)
+      b = np.asarray(jax.device_get(stacked[name + lora_lib.LORA_B][i]), np.float32)
       prefix = f"base_model.model.model.layers.{i}.{_PEFT_MODULES[name]}"
       yield prefix + ".lora_A.weight", np.ascontiguousarray(a.reshape(-1, cfg.lora_rank).T)
       yield prefix + ".lora_B.weight", np.ascontiguousarray(b.reshape(cfg.lora_rank, -1).T)

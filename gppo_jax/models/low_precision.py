@@ -65,6 +65,23 @@ def transposed(a: jax.Array) -> jax.Array:
   return row_major(a.T)
 
 
+def project(x: jax.Array, w: jax.Array, contract: int = 1, *, custom_vjp: bool = True) -> jax.Array:
+  """x [..., *in] @ w [*in, *out] over the `contract` trailing axes of x, as one 2-D matmul: the
+  model's projections (the decoder's, LoRA's, the router's).
+
+  Flattening the token axes first (x as [tokens, in]) gives XLA plain matrix products in the
+  forward and the backward: the same contraction written as a batched einsum
+  ("btd,df->btf") makes XLA's CPU backend transpose the activation gradient of every weight
+  gradient (a copy of each layer's activations). Where `applies` (16-bit on one CPU device) the
+  product is `matmul` unless custom_vjp is False (remat "dots" must see a plain product to save
+  it)."""
+  lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+  out = w.shape[contract:]
+  x2, w2 = x.reshape(math.prod(lead), math.prod(inner)), w.reshape(math.prod(inner), math.prod(out))
+  y = matmul(x2, w2) if custom_vjp and applies(x2) else x2 @ w2
+  return y.reshape(*lead, *out)
+
+
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [N, K] @ w [K, M] in their 16-bit dtype, float32 accumulation, rounded to that dtype: the

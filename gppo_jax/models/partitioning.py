@@ -1,10 +1,10 @@
 """Logical-axis sharding rules: model parameters name their axes, a rules table places them.
 
-Parameters in model.py carry logical axis names ("embed", "vocab", "mlp", "heads", "kv_heads",
-"head_dim", "layers", LoRA's "lora", a mixture of experts' "expert", "expert_mlp" and "router")
-as `out_sharding` metadata on their `nnx.Param`. A rules table maps each name to mesh axes
-(`data`, `fsdp`, `tensor`, and `expert` where the mesh has it: expert parallelism), so a new
-mesh shape is a config change only.
+Parameters (`param`: model.py's and lora.py's) carry logical axis names ("embed", "vocab",
+"mlp", "heads", "kv_heads", "head_dim", "layers", LoRA's "lora", a mixture of experts' "expert",
+"expert_mlp" and "router") as `out_sharding` metadata on their `nnx.Param`. A rules table maps
+each name to mesh axes (`data`, `fsdp`, `tensor`, and `expert` where the mesh has it: expert
+parallelism), so a new mesh shape is a config change only.
 A mesh axis that does not divide a dimension, is absent from the mesh, or was already used by an
 earlier dimension of the same array is dropped (that dimension is then replicated over it), so
 tiny test models and odd head counts never fail to shard. Batches are not named by rules: their
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -32,7 +33,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # Expert parallelism: the experts' stacked axis is split over this mesh axis, which also splits
 # the batch. The experts rest sharded over it (memory), but the dispatch does not exchange
 # tokens: each device routes and sorts its own tokens and runs them against every expert of the
-# layer, gathered for the layer as FSDP gathers a dense layer's weights (`model._sorted_on_shards`;
+# layer, gathered for the layer as FSDP gathers a dense layer's weights (`moe._sorted_on_shards`;
 # the gradient is reduce-scattered back). Meshes have it only when it is larger than 1
 # (`sharding.make_mesh`).
 EXPERT_AXIS = "expert"
@@ -65,6 +66,27 @@ BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 def batch_axes(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[str, ...]:
   """The BATCH_AXES that `mesh` has."""
   return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def param(
+  rngs: nnx.Rngs | None,
+  shape: Sequence[int],
+  axes: Sequence[str],
+  dtype,
+  init: str = "normal",
+  std: float = 0.02,
+  kind: type[nnx.Param] = nnx.Param,
+) -> nnx.Param:
+  """An nnx.Param (or `kind`) of `shape` named by logical `axes` (its `out_sharding`), initialised
+  "normal" (std, from rngs.params()), "ones" or "zeros" in float32, stored in `dtype`; placement
+  is decided later by the rules table (`state_shardings`)."""
+  if init == "normal":
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = jnp.zeros(shape, jnp.float32)
+  return kind(value.astype(dtype), out_sharding=tuple(axes), eager_sharding=False)
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

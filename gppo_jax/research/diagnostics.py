@@ -18,7 +18,7 @@ distributions the loss compares):
                (q < 0.1, 0.1-0.5, 0.5-0.9, >= 0.9) for every estimator and for exact;
   policy       mean entropy of pi (and of mu) and a histogram of log r over fixed bins.
 
-`token_stats_chunked` walks the sequence in chunks (as `model.chunked_logprob_stats` does), so
+`token_stats_chunked` walks the sequence in chunks (as `heads.chunked_logprob_stats` does), so
 the [B, T, V] logits never exist at once; `summarize` turns per-token arrays into the flat dict of
 metrics; `make_diagnostics_fn` composes both with the model forward into one jitted
 fn(params_behaviour, params_current, batch) -> {"diag/...": value}.
@@ -47,7 +47,7 @@ from gppo_jax.algorithm import estimators as ests
 from gppo_jax.algorithm import objective
 from gppo_jax.data import readers
 from gppo_jax.models import attention as attention_lib
-from gppo_jax.models import model as model_lib
+from gppo_jax.models import heads
 
 Array = jax.Array
 
@@ -182,8 +182,8 @@ def token_stats_chunked(
   def step(_, x):
     stats = token_stats_from_logits(
       # as the model's head computes them
-      attention_lib.soft_cap(model_lib.head_logits(x["hp"], w_p, tied), softcap),
-      attention_lib.soft_cap(model_lib.head_logits(x["hq"], w_q, tied), softcap),
+      attention_lib.soft_cap(heads.head_logits(x["hp"], w_p, tied), softcap),
+      attention_lib.soft_cap(heads.head_logits(x["hq"], w_q, tied), softcap),
       x["t"],
       divergences=divergences,
       temperature=temperature,
@@ -474,9 +474,9 @@ def make_diagnostics_fn(
 
   def response_hidden(params, batch):
     model = nnx.merge(graphdef, params)
-    hidden, _ = model(
+    hidden = model(
       _field(batch, "inputs"), _field(batch, "positions"), attn_mask=_field(batch, "attn")
-    )
+    ).hidden
     w, tied = model.unembedding()
     return hidden[:, prompt_len - 1 :], w, (tied, model.cfg.final_softcap)
 

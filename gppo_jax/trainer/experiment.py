@@ -31,6 +31,7 @@ from gppo_jax.data import envs
 from gppo_jax.errors import ConfigError, MissingFileError, UserError
 from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import architectures, sharding
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import policy_eval, train_step
 
@@ -248,7 +249,7 @@ def build_policy(config, say=print, mesh=None, *, warm_start: bool = True):
 
 def _say_lora(cfg, params, say) -> None:
   if cfg.lora_rank:
-    adapters, _ = model_lib.split_lora(params)
+    adapters, _ = lora_lib.split_lora(params)
     count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
     say(
       f"LoRA: rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on {', '.join(cfg.lora_weights)}: "
@@ -294,9 +295,9 @@ def evaluate(
 
 
 def _fresh_state(params, tx) -> train_step.TrainState:
-  """The TrainState of a policy state: with LoRA adapters (`model_lib.split_lora`) only they
+  """The TrainState of a policy state: with LoRA adapters (`lora.split_lora`) only they
   are trained and get optimizer state; the base is kept frozen beside them."""
-  params, frozen = model_lib.split_lora(params)
+  params, frozen = lora_lib.split_lora(params)
   return train_step.TrainState(
     params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32), frozen=frozen
   )

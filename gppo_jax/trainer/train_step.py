@@ -21,8 +21,9 @@ from flax import nnx
 
 from gppo_jax import errors
 from gppo_jax.algorithm import objective
+from gppo_jax.models import heads, partitioning
+from gppo_jax.models import lora as lora_lib
 from gppo_jax.models import model as model_lib
-from gppo_jax.models import partitioning
 
 
 @flax.struct.dataclass
@@ -61,7 +62,7 @@ class TrainState:
   params: Any  # nnx.State of the trained parameters: the policy's, or with LoRA its adapters
   opt_state: Any
   step: jax.Array  # int32: optimizer steps taken
-  # With LoRA (`model_lib.split_lora`): the frozen base weights, read but never updated,
+  # With LoRA (`lora.split_lora`): the frozen base weights, read but never updated,
   # carried in no optimizer state and saved in no checkpoint (`saved`). None without LoRA.
   frozen: Any = None
 
@@ -183,7 +184,7 @@ def abstract_train_state(
   """The TrainState of a fresh model of `cfg` with optimizer `tx`, as jax.ShapeDtypeStructs:
   what the update compiles for when nothing is to be allocated (plan.py, benchmarks/)."""
   params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
-  params, frozen = model_lib.split_lora(params)
+  params, frozen = lora_lib.split_lora(params)
   return TrainState(
     params=params,
     opt_state=jax.eval_shape(tx.init, params),
@@ -296,12 +297,11 @@ def _response_stats(
   runs through the model once (`Transformer.shared_prompt_hidden`). lora_key: the LoRA
   adapters' dropout (training passes). Mixtures of experts: with batch.expert_ids the response
   tokens' inputs take the sampler's experts (routing replay; the prompt's other tokens route
-  themselves), and a dict passed as `routing` receives the forward's `model.Routing` under
+  themselves), and a dict passed as `routing` receives the forward's `moe.Routing` under
   "routing"."""
-  moe = model.cfg.is_moe
   kw = dict(lora_key=lora_key)
-  if moe:
-    kw.update(with_routing=True, expert_ids=_forced_experts(batch, prompt_len))
+  if model.cfg.is_moe:
+    kw.update(expert_ids=_forced_experts(batch, prompt_len))
   if group_size > 1:
     out = model.shared_prompt_hidden(
       batch.inputs,
@@ -311,12 +311,12 @@ def _response_stats(
       group_size=group_size,
       **kw,
     )
-    hidden, route = out if moe else (out, None)
+    hidden = out.hidden
   else:
     out = model(batch.inputs, batch.positions, attn_mask=batch.attn, **kw)
-    hidden, route = out[0][:, prompt_len - 1 :], (out[2] if moe else None)
-  if routing is not None and route is not None:
-    routing["routing"] = route
+    hidden = out.hidden[:, prompt_len - 1 :]
+  if routing is not None and out.routing is not None:
+    routing["routing"] = out.routing
   targets = batch.targets[:, prompt_len - 1 :]
   ids = []
   if gather:
@@ -324,7 +324,7 @@ def _response_stats(
   if batch.kept_ids is not None:
     ids.append(jnp.maximum(batch.kept_ids, 0))  # -1 (not kept) gathers id 0, masked below
   kwargs = {"gather_ids": jnp.concatenate(ids, axis=-1)} if ids else {}
-  stats = model_lib.chunked_logprobs(
+  stats = heads.chunked_logprobs(
     model, hidden, targets, temperature=temperature, entropy=entropy, **kwargs
   )
   if batch.kept_ids is None:
@@ -420,7 +420,7 @@ class UpdateSpec:
   # rollout.correction="tis": the batch carries is_weight, which weights each token's policy term.
   is_weight: bool = False
   # Mixtures of experts: model.moe.aux_loss_coef, the weight of the router's load-balancing loss
-  # (`model.router_aux_loss`) in the loss; rollout.routing_replay: the batch carries the sampler's
+  # (`moe.router_aux_loss`) in the loss; rollout.routing_replay: the batch carries the sampler's
   # experts, (num_layers, k) each token (`Batch.expert_ids`), and the forward reuses them.
   router_aux_coef: float = 0.0
   routing_shape: tuple[int, ...] = ()
@@ -584,8 +584,8 @@ def make_sft_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> C
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    hidden, _ = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"])
-    lp = model_lib.chunked_logprobs(model, hidden, batch["targets"])["logprobs"]
+    hidden = model(batch["inputs"], batch["positions"], attn_mask=batch["attn"]).hidden
+    lp = heads.chunked_logprobs(model, hidden, batch["targets"])["logprobs"]
     m = batch["loss_mask"].astype(jnp.float32)
     return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
