@@ -1,6 +1,7 @@
 """Synchronous against asynchronous RL iterations, at long-tailed response lengths.
 
   python benchmarks/async_iteration.py                      # 2 CPU devices, mean 128, cap 512
+  python benchmarks/async_iteration.py --epochs 1 --minibatches 8   # the real-run configs' update
   python benchmarks/async_iteration.py --iterations 4 --mean 16 --new 64 --prompts 4   # seconds
 
 Trains `--config` (default configs/kl_atomic.py, the built-in policy) in this process with
@@ -110,6 +111,10 @@ def make_config(args, mode: str):
   c.rollout.mode = "async" if mode.startswith("async") else "sync"
   c.mesh.rollout_devices = 1 if mode in ("async", "sync_split") else 0
   c.train.shuffle = "rows"
+  if args.epochs:
+    c.train.epochs = args.epochs
+  if args.minibatches:
+    c.train.minibatches = args.minibatches
   c.train.trim_bucket = 0  # one update shape: the longest row varies with every rollout
   c.eval.every = args.iterations  # only at the end (the last iteration is left out)
   c.eval.num_problems = 8
@@ -161,6 +166,8 @@ def main() -> None:
   p.add_argument("--new", type=int, default=512)
   p.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of the lengths")
   p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--epochs", type=int, default=0, help="train.epochs (0: the config's)")
+  p.add_argument("--minibatches", type=int, default=0, help="train.minibatches (0: the config's)")
   p.add_argument("--modes", default="sync,async")
   args = p.parse_args()
   if args.iterations < 4:

@@ -15,6 +15,7 @@ Parameters, optimizer state and KV cache are exact from the shardings either way
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -26,10 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gppo_jax import cli, config_lib, errors
 from gppo_jax.generation import sampler
-from gppo_jax.models import architectures, attention, sharding
+from gppo_jax.models import architectures, attention, partitioning, sharding
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import train_step
 
@@ -59,6 +61,29 @@ PLATFORM_BF16_TFLOPS = {
   "h200": 989,
   "b200": 2250,
 }
+# Memory bandwidth per chip / GPU, GB/s (vendor figures): what bounds a decode step.
+PLATFORM_HBM_GBPS = {
+  "v4": 1228,
+  "v5e": 819,
+  "v5p": 2765,
+  "v6e": 1640,
+  "a100": 2039,
+  "h100": 3350,
+  "h200": 4800,
+  "b200": 8000,
+}
+# Chip-to-chip bandwidth per chip / GPU, GB/s, all links (vendor figures: ICI, NVLink): what
+# bounds moving the parameters from the trainer's devices to the sampler's.
+PLATFORM_LINK_GBPS = {
+  "v4": 300,
+  "v5e": 200,
+  "v5p": 600,
+  "v6e": 448,
+  "a100": 600,
+  "h100": 900,
+  "h200": 900,
+  "b200": 1800,
+}
 # The backend each platform's "auto" attention resolves for (attention.resolve).
 PLATFORM_BACKEND = {name: "tpu" for name in ("v4", "v5e", "v5p", "v6e")}
 PLATFORM_BACKEND.update({name: "gpu" for name in ("a100", "h100", "h200", "b200")}, cpu="cpu")
@@ -83,6 +108,9 @@ class MemoryPlan:
   source: str  # "compiled" | "analytic"
   notes: tuple[str, ...] = ()
   trainable_params: int | None = None  # with LoRA the adapters' count (None: all num_params)
+  # mesh.rollout_devices > 0: the sampler's own mesh; sample_peak is then one of its devices'
+  # (its copy of the policy, the KV cache, the decode logits), the rest the trainer's.
+  sampler_mesh: dict[str, int] | None = None
 
   @property
   def peak(self) -> int:
@@ -317,10 +345,14 @@ def plan(
   backend: str = "tpu",
 ) -> MemoryPlan:
   """The memory plan of `config` on a mesh (default: config.mesh over `devices` / all devices)
-  for devices of `backend` (tpu, gpu, cpu: what model.attention="auto" resolves to there)."""
-  mesh = sharding.make_mesh(dict(mesh_cfg or config.mesh), devices)
+  for devices of `backend` (tpu, gpu, cpu: what model.attention="auto" resolves to there).
+  With `rollout_devices` > 0 in the mesh config, the update is planned on the trainer's devices
+  and the rollout on the sampler's (`sharding.make_meshes`)."""
+  mesh, sampler_mesh = sharding.make_meshes(dict(mesh_cfg or config.mesh), devices)
+  split = sampler_mesh is not mesh
   cfg, _ = model_config(config)
   sharding.check_experts(cfg, mesh.shape)
+  sharding.check_experts(cfg, sampler_mesh.shape)
   n, p, r = rollout_shape(config)
   notes = []
   if cfg.is_moe:
@@ -372,10 +404,19 @@ def plan(
     )
   params = params * copies + frozen
   resident = params + optimizer
-  kv, kv_kind = kv_cache_bytes(config, cfg, mesh, n, p, r)
+  kv, kv_kind = kv_cache_bytes(config, cfg, sampler_mesh, n, p, r)
   notes.append(f"sampler KV cache: the {kv_kind}")
-  dp = sharding.batch_shards(mesh)
+  dp = sharding.batch_shards(sampler_mesh)
   decode_logits = max(1, n // dp) * cfg.vocab_size * 4 * 3
+  sampler_resident = resident
+  if split:  # the sampler holds one copy of the policy (in its own shardings), nothing else
+    policy = state.params if state.frozen is None else nnx.merge_state(state.frozen, state.params)
+    sampler_resident = per_device_bytes(policy, partitioning.state_shardings(policy, sampler_mesh))
+    notes.append(
+      f"mesh.rollout_devices={sampler_mesh.devices.size}: sampling on its own "
+      f"{dict(sampler_mesh.shape)} (its copy of the policy, KV cache and decode logits in the "
+      "sampling peak); the update on the other devices"
+    )
   source = "analytic"
   trainable = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
   num_params = trainable + sum(math.prod(x.shape) for x in jax.tree.leaves(state.frozen))
@@ -401,12 +442,128 @@ def plan(
     kv_cache=kv,
     activations=activations,
     update_peak=update_peak,
-    sample_peak=resident + kv + decode_logits,
+    sample_peak=sampler_resident + kv + decode_logits,
     device_memory=int(device_memory_gb * GIB),
     source=source,
     notes=tuple(notes),
     trainable_params=trainable if frozen else None,
+    sampler_mesh=dict(sampler_mesh.shape) if split else None,
   )
+
+
+@dataclasses.dataclass
+class TimePlan:
+  """Predicted seconds of one iteration's phases (`iteration_time`)."""
+
+  sample_s: float  # the rollout on all devices (synchronous)
+  update_s: float  # the update on all devices (synchronous)
+  sample_split_s: float  # the rollout on the sampler's devices
+  update_split_s: float  # the update on the trainer's devices
+  move_s: float  # the policy from the trainer's devices to the sampler's
+  rollout_devices: int
+  devices: int
+
+  @property
+  def sync_s(self) -> float:
+    return self.sample_s + self.update_s
+
+  @property
+  def async_s(self) -> float:
+    return max(self.sample_split_s + self.move_s, self.update_split_s)
+
+  @property
+  def speedup(self) -> float:
+    return self.sync_s / self.async_s
+
+  def as_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d.update(sync_s=self.sync_s, async_s=self.async_s, speedup=self.speedup)
+    return d
+
+
+def iteration_time(
+  config,
+  cfg: architectures.ModelConfig,
+  *,
+  platform: str,
+  devices: int,
+  rollout_devices: int,
+  mean_response: float | None = None,
+  mfu: float = 0.4,
+) -> TimePlan:
+  """A roofline estimate of one iteration, synchronous (every device samples, then every device
+  updates) against asynchronous (`rollout_devices` sample while the rest update, the next
+  rollout beside the current update). What it assumes:
+
+  - the update runs at `mfu` of the chips' bf16 peak on its model FLOPs (`update_flops`, times
+    train.epochs) and scales linearly with its devices;
+  - sampling decodes for as many steps as the longest response (the cap R: a long tail has one),
+    each step reading every weight once per data-parallel replica (the sampler's copy is
+    replicated over its devices, split over none) from HBM, plus the live rows' KV cache: mean
+    response `mean_response` (default R / 2), so the cache read is the rows' tokens at the mean
+    context; each step's compute (2 x active parameters per row) at `mfu` of peak if that is
+    slower; the prefill is compute at `mfu`. Data parallelism splits the rows, not the steps;
+  - the parameters move once per iteration over the chip links (bf16: 2 bytes each; each sampler
+    device receives a whole copy, the trainer's shards sending in parallel), and the
+    asynchronous iteration is the slower of the two groups (the host's scoring, the engine's
+    scheduling and the optimizer's host work are left out).
+  """
+  if platform not in PLATFORM_BF16_TFLOPS:
+    raise errors.ConfigError(f"--platform={platform!r}: no peak figures; valid: "
+                             f"{', '.join(PLATFORM_BF16_TFLOPS)}")  # fmt: skip
+  if not 0 < rollout_devices < devices:
+    raise errors.ConfigError(
+      f"rollout_devices={rollout_devices}: needs 0 < rollout_devices < devices ({devices})"
+    )
+  from gppo_jax.generation import paged  # noqa: PLC0415
+
+  peak = PLATFORM_BF16_TFLOPS[platform] * 1e12 * mfu
+  hbm = PLATFORM_HBM_GBPS[platform] * 1e9
+  n, p, r = rollout_shape(config)
+  mean = r / 2 if mean_response is None else mean_response
+  embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+  active = active_layer_params(cfg) + embeddings
+  total = abstract_param_count(cfg)
+  weight_bytes = 2 * total  # the sampler's copy in bf16
+  kv_token = paged.kv_bytes_per_token(cfg)
+  update_flops_all = config.train.epochs * update_flops(cfg, n, p + r, r)
+
+  def sample(d: int) -> float:
+    rows = n / d
+    read = r * weight_bytes / hbm + rows * mean * (p + mean / 2) * kv_token / hbm
+    compute = 2 * active * rows * mean / peak
+    prefill = 2 * active * rows * p / peak
+    return max(read, compute) + prefill
+
+  update = lambda d: update_flops_all / (d * peak)
+  link = PLATFORM_LINK_GBPS[platform] * 1e9
+  return TimePlan(
+    sample_s=sample(devices),
+    update_s=update(devices),
+    sample_split_s=sample(rollout_devices),
+    update_split_s=update(devices - rollout_devices),
+    move_s=weight_bytes / link,  # every sampler device receives a whole copy
+    rollout_devices=rollout_devices,
+    devices=devices,
+  )
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_param_count(cfg: architectures.ModelConfig) -> int:
+  """Every parameter of the model, counted on its abstract state (nothing allocated)."""
+  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def format_time(t: TimePlan, platform: str) -> str:
+  return "\n".join([
+    f"time model ({platform}, {t.devices} devices; assumptions: plan.iteration_time):",
+    f"  synchronous   sample {t.sample_s:8.2f} s + update {t.update_s:8.2f} s = {t.sync_s:8.2f} s",
+    f"  asynchronous  sample {t.sample_split_s:8.2f} s on {t.rollout_devices} + move "
+    f"{t.move_s:.2f} s | update {t.update_split_s:8.2f} s on {t.devices - t.rollout_devices}"
+    f" = {t.async_s:8.2f} s",
+    f"  predicted speedup {t.speedup:.2f}x",
+  ])  # fmt: skip
 
 
 def format_plan(p: MemoryPlan, title: str = "") -> str:
@@ -431,6 +588,9 @@ def format_plan(p: MemoryPlan, title: str = "") -> str:
     f"mesh {mesh} ({math.prod(p.mesh.values())} devices), {p.num_params / 1e9:.3f}B params"
     + trained
   )
+  if p.sampler_mesh:
+    sampler = " x ".join(f"{k}={v}" for k, v in p.sampler_mesh.items())
+    lines.append(f"sampler mesh {sampler} ({math.prod(p.sampler_mesh.values())} devices)")
   lines += [f"  {name:<34}{g(b)}" for name, b in rows]
   verdict = "FITS" if p.fits else "DOES NOT FIT"
   lines.append(
@@ -461,15 +621,18 @@ def main(argv) -> None:
   f = flags.FLAGS
   config = f.config
   config_lib.validate(config)
-  mesh_cfg = parse_mesh(f.mesh) if f.mesh else dict(config.mesh)
+  # --mesh names the trainer's axes; the split (mesh.rollout_devices) stays the config's.
+  mesh_cfg = {**dict(config.mesh), **parse_mesh(f.mesh)} if f.mesh else dict(config.mesh)
   if f.device_memory_gb is not None:
     memory = f.device_memory_gb
   elif f.platform in PLATFORM_MEMORY_GB:
     memory = PLATFORM_MEMORY_GB[f.platform]
   else:
     raise errors.ConfigError(f"--platform={f.platform!r}; valid: {', '.join(PLATFORM_MEMORY_GB)}")
-  needed = f.num_devices or math.prod(v for v in mesh_cfg.values() if v > 0)
-  if -1 in mesh_cfg.values() and not f.num_devices:
+  axes = {k: v for k, v in mesh_cfg.items() if k not in sharding.ROLLOUT_MESH_KEYS}
+  split = int(mesh_cfg.get("rollout_devices", 0) or 0)
+  needed = f.num_devices or math.prod(v for v in axes.values() if v > 0) + split
+  if -1 in axes.values() and not f.num_devices:
     needed = len(jax.devices())
   devices = jax.devices()
   if len(devices) < needed:
@@ -506,7 +669,18 @@ def main(argv) -> None:
     f"{f.platform} {memory} GiB"
   )
   print(format_plan(result, title))
-  print(json.dumps(result.as_dict()))
+  out = result.as_dict()
+  if f.platform in PLATFORM_BF16_TFLOPS and len(devices) > 1:
+    # The config's split, or the best of the power-of-two ones.
+    powers = [2**i for i in range(len(devices).bit_length()) if 2**i < len(devices)]
+    tried = [split] if split else powers
+    predict = lambda n: iteration_time(
+      config, cfg, platform=f.platform, devices=len(devices), rollout_devices=n, mfu=f.mfu
+    )
+    times = max((predict(n) for n in tried), key=lambda t: t.speedup)
+    print(format_time(times, f.platform))
+    out["time"] = times.as_dict()
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":
@@ -519,5 +693,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("platform", "v5p", f"Device kind: {', '.join(PLATFORM_MEMORY_GB)}.")
   flags.DEFINE_float("device_memory_gb", None, "Memory per device (default: the platform's).")
   flags.DEFINE_bool("analytic", False, "Skip compiling; closed-form activation estimate.")
+  flags.DEFINE_float("mfu", 0.4, "The time model's share of the chips' peak FLOP/s.")
   flags.mark_flags_as_required(["config"])
   cli.run(main)

@@ -129,11 +129,11 @@ def test_meshes_split_the_devices():
 
 
 def test_param_sync_moves_only_lora_adapters_and_casts():
+  from flax import nnx
+
   from gppo_jax.models import architectures
   from gppo_jax.models import model as model_lib
   from gppo_jax.trainer import experiment, train_step
-
-  from flax import nnx
 
   cfg = architectures.get("tiny", lora_rank=2, lora_alpha=4.0)
   _, base = nnx.split(model_lib.create(cfg.without_lora(), 0))
@@ -151,3 +151,50 @@ def test_param_sync_moves_only_lora_adapters_and_casts():
     assert set(leaf.devices()) <= set(sampler_mesh.devices.flat)
     if np.issubdtype(leaf.dtype, np.floating) or leaf.dtype == np.dtype("bfloat16"):
       assert leaf.dtype == np.dtype("bfloat16")
+
+
+def test_plan_sizes_the_sampler_and_the_trainer_apart():
+  from gppo_jax import plan
+
+  c = config(rollout_devices=2, staleness=1)
+  c.model.preset = "tiny"
+  shared = plan.plan(c, {"data": -1}, compile=False, devices=jax.devices()[:8])
+  split = plan.plan(c, compile=False, devices=jax.devices()[:8])
+  assert split.mesh["data"] == 6 and split.sampler_mesh["data"] == 2 and shared.sampler_mesh is None
+  # The trainer keeps the policy, its lagging copy and the optimizer state; the sampler one copy
+  # of the policy (replicated over its data axis, as the trainer's is) beside its cache.
+  assert split.params == shared.params and split.optimizer == shared.optimizer
+  policy = split.params // 2  # staleness 1: the policy and one lagging copy
+  assert split.sample_peak - split.kv_cache < shared.sample_peak - shared.kv_cache
+  assert split.sample_peak >= policy + split.kv_cache
+  assert "sampler mesh data=2" in plan.format_plan(split)
+
+
+def test_time_model_overlaps_the_phases_it_predicts():
+  from gppo_jax import plan
+  from gppo_jax.models import architectures
+
+  c = config()
+  c.model.preset = "tiny"
+  cfg = architectures.get("tiny")
+  t = plan.iteration_time(c, cfg, platform="h100", devices=8, rollout_devices=2)
+  assert t.sync_s == t.sample_s + t.update_s
+  assert t.async_s == max(t.sample_split_s + t.move_s, t.update_split_s)
+  # The update scales with its devices; sampling on fewer devices is no faster.
+  np.testing.assert_allclose(t.update_split_s * 6, t.update_s * 8, rtol=1e-12)
+  assert t.sample_split_s >= t.sample_s
+  params = plan.abstract_param_count(cfg)
+  np.testing.assert_allclose(t.move_s, 2 * params / (plan.PLATFORM_LINK_GBPS["h100"] * 1e9))
+  # Long responses make sampling the longer phase and overlapping it pays; the same split with
+  # short responses and several epochs only takes devices from the update.
+  c.model.path = "/no/such/model"  # no folder: the rollout shape is the config's own
+  c.rollout.prompts_per_iter, c.rollout.group_size = 64, 8
+  qwen = architectures.get("qwen2.5-7b")
+  c.rollout.max_new_tokens, c.train.epochs = 4096, 1
+  long = plan.iteration_time(c, qwen, platform="v5p", devices=64, rollout_devices=32)
+  c.rollout.max_new_tokens, c.train.epochs = 64, 4
+  short = plan.iteration_time(c, qwen, platform="v5p", devices=64, rollout_devices=32)
+  assert long.sample_s > long.update_s and long.speedup > 1.1, long
+  assert short.sample_s < short.update_s and short.speedup < 1, short
+  with pytest.raises(errors.ConfigError, match="rollout_devices"):
+    plan.iteration_time(c, cfg, platform="h100", devices=8, rollout_devices=8)

@@ -100,8 +100,8 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
 
 def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh, Mesh]:
   """(training mesh, sampling mesh). With `rollout_devices` = n > 0 the last n devices form the
-  sampler's mesh (axes from `mesh_cfg["rollout"]`, by default all data) and the others the trainer's; with 0 both are
-  one mesh over every device."""
+  sampler's mesh (axes from `mesh_cfg["rollout"]`, by default all data) and the others the
+  trainer's; with 0 both are one mesh over every device."""
   devices = jax.devices() if devices is None else list(devices)
   n = int(mesh_cfg.get("rollout_devices", 0) or 0)
   if not n:

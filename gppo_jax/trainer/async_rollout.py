@@ -7,12 +7,12 @@ one iteration ahead.
   ahead.submit(t + 1, draw, env_state)           # runs draw() while the caller updates
   batch, metrics = ahead.take(t + 1)             # its result (its exception, re-raised)
 
-`rollout.mode` (config_lib.ROLLOUT_MODES): "sync" draws each iteration's rollout when the iteration starts; "async"
-(with `rollout.staleness` = k >= 1) draws the rollout of iteration t + 1 during the update of
-iteration t, with the policy of iteration t + 1 - k. That policy is known before update t starts
-(it is theta_t, or an older copy the trainer keeps anyway), so the asynchronous run computes
-exactly what the synchronous run with the same staleness computes: the same keys, prompts,
-behaviour policies and updates, in another order in time.
+`rollout.mode` (config_lib.ROLLOUT_MODES): "sync" draws each iteration's rollout when the
+iteration starts; "async" (with `rollout.staleness` = k >= 1) draws the rollout of iteration
+t + 1 during the update of iteration t, with the policy of iteration t + 1 - k. That policy is
+known before update t starts (it is theta_t, or an older copy the trainer keeps anyway), so the
+asynchronous run computes exactly what the synchronous run with the same staleness computes: the
+same keys, prompts, behaviour policies and updates, in another order in time.
 
 With `mesh.rollout_devices` > 0 (sharding.make_meshes) sampling has its own devices: each
 rollout's policy moves there from the trainer's shardings (with LoRA only the adapters move; the
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gppo_jax.models import partitioning
+
 
 @functools.partial(jax.jit, static_argnums=1)
 def _cast(tree: Any, dtype) -> Any:
