@@ -939,6 +939,13 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       "drawn while iteration t updates, so it cannot use that update's policy (set "
       "rollout.staleness=1, or rollout.mode='sync')"
     )
+  lora = c.model.get("lora")
+  if r.get("mode", "sync") == "async" and lora and lora.rank and not c.mesh.get("rollout_devices"):
+    problems.append(
+      f"rollout.mode='async' with LoRA (model.lora.rank={lora.rank}) needs "
+      "mesh.rollout_devices > 0: on a shared mesh each update donates the frozen base that the "
+      "rollout beside it reads"
+    )
   problems += _mesh_problems(c.mesh, "mesh")
   if c.mesh.get("rollout_devices"):
     problems += _mesh_problems(c.mesh.get("rollout", {}), "mesh.rollout")

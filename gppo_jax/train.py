@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gppo_jax import config_lib, files
+from gppo_jax import config_lib, errors, files
 from gppo_jax.algorithm import correction
 from gppo_jax.generation import continuous, sampler
 from gppo_jax.models import partitioning, sharding
@@ -155,14 +155,15 @@ class Run:
     """The iteration's (rollout, update) random keys: fold_in(fold_in(PRNGKey(seed), t), 0 / 1)."""
     return _iteration_keys(self.seed_key, iteration)
 
-  def evaluate(self, params) -> dict[str, float]:
-    """The evaluation of the trainable `params` (state.params), on the sampler's devices."""
+  def evaluate(self, params, frozen) -> dict[str, float]:
+    """The evaluation of the trainable `params` (state.params, beside LoRA's frozen base
+    state.frozen), on the sampler's devices."""
     if self.ahead is not None:
       self.ahead.wait()  # the sampler serves one caller at a time
     return experiment.evaluate(
       self.config,
       self.graphdef,
-      self.param_sync(params, version=-1).policy,
+      self.param_sync(params, frozen, version=-1).policy,
       self.env,
       max_new_tokens=self.sampling.max_new_tokens,
       sample_fn=self.sample_fn,
@@ -196,6 +197,14 @@ def _set_up(
     mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
     stack.callback(mngr.close)  # every exit path lets pending writes complete
   resuming = mngr is not None and mngr.latest_step() is not None
+  if jax.process_count() > 1 and (
+    config.rollout.get("mode", "sync") != "sync" or config.mesh.get("rollout_devices")
+  ):
+    raise errors.ConfigError(
+      "rollout.mode='async' and mesh.rollout_devices > 0 run on one process for now: across "
+      "processes the rollout thread's and the update's collectives are not yet ordered alike on "
+      "every host (use rollout.mode='sync' and mesh.rollout_devices=0 on a multi-host run)"
+    )
   mesh, sampler_mesh = sharding.make_meshes(config.mesh)
   # The KL penalty's reference is the initial policy, so a resume rebuilds it (deterministically).
   need_init = not resuming or config.loss.kl_coef > 0
@@ -420,11 +429,11 @@ def _behaviour_version(run: Run, iteration: int) -> int:
   return max(iteration - run.config.rollout.staleness, 0)
 
 
-def _draw_ahead(run: Run, iteration: int, behaviour) -> None:
+def _draw_ahead(run: Run, iteration: int, behaviour, frozen) -> None:
   """Starts the rollout of `iteration` on the rollout thread, by the trainable parameters
   `behaviour`. Call it before dispatching the update it runs beside: the parameter move and the
   key are dispatched here, ahead of that update on the trainer's devices."""
-  moved = run.param_sync(behaviour, version=_behaviour_version(run, iteration))
+  moved = run.param_sync(behaviour, frozen, version=_behaviour_version(run, iteration))
   key = _sampler_key(run, iteration)
   draw = functools.partial(_draw, run, iteration, moved, key)
   run.ahead.submit(iteration, draw, env_state=run.env.state())
@@ -474,7 +483,7 @@ def _update_batch(run: Run, state, iteration: int):
     batch, metrics = drawn
     metrics["async/wait_s"] = time.perf_counter() - t0  # the update waited for the sampler
   else:
-    moved = run.param_sync(behaviour, version=_behaviour_version(run, iteration))
+    moved = run.param_sync(behaviour, state.frozen, version=_behaviour_version(run, iteration))
     batch, metrics = _draw(run, iteration, moved, _sampler_key(run, iteration))
   t1 = time.perf_counter()
   batch = _prepare(run, state, batch, metrics)
@@ -495,7 +504,7 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
   before = jax.tree.map(jnp.copy, state.params) if run.behaviour else None
   if run.ahead is not None and iteration + 1 < run.config.iterations:
     # The next rollout's policy, theta_{t+1-k}, is the oldest one the update leaves behind.
-    _draw_ahead(run, iteration + 1, (run.behaviour[1:] + [before])[0])
+    _draw_ahead(run, iteration + 1, (run.behaviour[1:] + [before])[0], state.frozen)
   if diagnose and not run.behaviour:
     behaviour = jax.tree.map(jnp.copy, state.params)
   if diagnose and run.behaviour:
@@ -650,7 +659,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     log.info("resumed from %s at iteration %d/%d", run.mngr.directory, start, config.iterations)
   else:
     log.info("evaluating the initial policy ...")
-    run.history["initial_eval"] = run.evaluate(state.params)
+    run.history["initial_eval"] = run.evaluate(state.params, state.frozen)
     log.info("initial policy: %s", _fmt(run.history["initial_eval"]))
   # Logs past the restored step belong to iterations that are about to be replayed.
   writer = stack.enter_context(
@@ -685,7 +694,7 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     done = iteration + 1
     if done % config.eval.every == 0 or done == config.iterations:
       t_eval = time.perf_counter()
-      run.history["last_eval"] = last = run.evaluate(state.params)
+      run.history["last_eval"] = last = run.evaluate(state.params, state.frozen)
       run.history.setdefault("evals", []).append({"iteration": done, **last})
       metrics.update(last, **{"time/eval_s": time.perf_counter() - t_eval})
       log.info("iteration %d: %s", done, _fmt(last))

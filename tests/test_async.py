@@ -59,6 +59,20 @@ def test_split_devices_move_the_policy_and_match_sync(tmp_path):
   assert [r["rollout/policy_version"] for r in full] == [0, 0, 1]  # theta_{t-1}, theta_0
 
 
+def test_lora_moves_only_its_adapters_and_matches_sync(tmp_path):
+  runs = {}
+  for mode in ("sync", "async"):
+    c = config(mode=mode, rollout_devices=4, iterations=2)
+    c.model.lora.rank, c.model.lora.alpha = 4, 8.0
+    runs[mode] = str(tmp_path / mode)
+    train.train_and_evaluate(c, runs[mode])
+  assert rows(runs["async"]) == rows(runs["sync"])
+  full = rows(runs["async"], drop=())[1:]
+  trained = full[0]["params/trainable"]  # float32 adapters, nothing else moves
+  assert all(r["async/sync_gib"] == pytest.approx(trained * 4 / 2**30) for r in full)
+  assert trained < full[0]["params/total"] / 4
+
+
 def test_sigterm_mid_rollout_saves_and_resumes_exactly(tmp_path, monkeypatch):
   whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
   # Evaluated every iteration: a run's last iteration is, in each run compared.
@@ -108,6 +122,12 @@ def test_async_needs_staleness_and_split_needs_a_trainer():
   c = config(rollout_devices=-1)
   with pytest.raises(errors.ConfigError, match="mesh.rollout_devices"):
     config_lib.validate(c)
+  c = config(mode="async")
+  c.model.lora.rank = 4
+  with pytest.raises(errors.ConfigError, match="with LoRA .* needs mesh.rollout_devices > 0"):
+    config_lib.validate(c)
+  c.mesh.rollout_devices = 2
+  config_lib.validate(c)
   c = config(rollout_devices=2)
   c.mesh.rollout.data = 0
   with pytest.raises(errors.ConfigError, match=r"mesh.rollout.data=0"):
@@ -142,7 +162,7 @@ def test_param_sync_moves_only_lora_adapters_and_casts():
   tx = train_step.make_optimizer(lr=1e-3, total_steps=10)
   _, state = experiment.init_state(params, tx, train_mesh)
   sync = async_rollout.ParamSync(state, sampler_mesh, np.dtype("bfloat16"))
-  moved = sync(state.params, version=3)
+  moved = sync(state.params, state.frozen, version=3)
   moved.wait()
   adapters = sum(x.size for x in jax.tree.leaves(state.params))
   assert moved.version == 3

@@ -2,7 +2,7 @@
 one iteration ahead.
 
   sync = ParamSync(state, sampler_mesh, dtype)   # the sampler's copy of the policy
-  moved = sync(state.params, version=t)          # dispatched now; moved.wait() -> seconds
+  moved = sync(state.params, state.frozen, version=t)   # dispatched; moved.wait() -> seconds
   ahead = Ahead()                                # one rollout in flight on a worker thread
   ahead.submit(t + 1, draw, env_state)           # runs draw() while the caller updates
   batch, metrics = ahead.take(t + 1)             # its result (its exception, re-raised)
@@ -72,7 +72,7 @@ class ParamSync:
 
   def __init__(self, state: Any, sampler_mesh: Any | None, dtype: Any = None):
     self.mesh, self.dtype = sampler_mesh, dtype
-    self.frozen = state.frozen
+    self.frozen = None  # the sampler's copy of LoRA's frozen base
     if sampler_mesh is None:
       return
     self.shardings = partitioning.state_shardings(state.params, sampler_mesh)
@@ -89,17 +89,18 @@ class ParamSync:
       tree = _cast(tree, self.dtype)
     return jax.device_put(tree, shardings)
 
-  def __call__(self, params: Any, *, version: int) -> Moved:
-    """The policy state of the trainable `params` on the sampler's devices, dispatched (not
-    waited for): call it before dispatching an update that follows, so the move does not queue
-    behind it on the trainer's devices."""
+  def __call__(self, params: Any, frozen: Any, *, version: int) -> Moved:
+    """The policy state of the trainable `params` (with LoRA's frozen base `frozen`, the
+    trainer's current one: an update donates the state's buffers) on the sampler's devices,
+    dispatched (not waited for): call it before dispatching an update that follows, so the move
+    does not queue behind it on the trainer's devices."""
     t0 = time.perf_counter()
     if not self.split:
       moved, gib = params, 0.0
     else:
-      moved = self._move(params, self.shardings)
+      moved, frozen = self._move(params, self.shardings), self.frozen
       gib = _gib(moved)
-    policy = moved if self.frozen is None else nnx.merge_state(self.frozen, moved)
+    policy = moved if frozen is None else nnx.merge_state(frozen, moved)
     return Moved(policy=policy, version=version, gib=gib, started=t0)
 
 
