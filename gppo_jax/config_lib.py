@@ -970,6 +970,16 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   the config of `python -m gppo_jax.evaluate`, which may evaluate model.path on data.eval_path
   alone (no training data).
   """
+  _check_required(c)
+  _check_names(c)
+  problems = _field_problems(c) + _combination_problems(c)
+  if problems:
+    raise errors.ConfigError("invalid config: " + "; ".join(problems))
+  _check_relations(c, evaluating=evaluating)
+
+
+def _check_required(c: ml_collections.ConfigDict) -> None:
+  """ConfigError naming every missing section and field of REQUIRED."""
   missing = []
   for section, fields in REQUIRED.items():
     if section not in c:
@@ -978,9 +988,13 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
     missing += [f"{section}.{f}" for f in fields if f not in c[section]]
   if missing:
     raise errors.ConfigError(f"config is missing required fields: {', '.join(missing)}")
+
+
+def _check_names(c: ml_collections.ConfigDict) -> None:
+  """Registry names (divergence, estimator, advantage, task, preset), before any compile."""
   # Names are checked against the registries here, before any compile.
-  from gppo_jax.algorithm import advantages, divergences, estimators, objective
-  from gppo_jax.data import envs, tasks
+  from gppo_jax.algorithm import advantages, divergences, estimators
+  from gppo_jax.data import tasks
   from gppo_jax.models import architectures
 
   _registry_name("loss.divergence", divergences.get, c.loss.divergence)
@@ -991,7 +1005,12 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
   for name in c.diagnostics.divergences:
     _registry_name("diagnostics.divergences", divergences.get, name)
 
-  problems = _field_problems(c)
+
+def _combination_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """Fields valid on their own that do not go together (rollout, mesh), and the eval paths."""
+  from gppo_jax.data import envs
+
+  problems = []
   r = c.rollout
   if r.get("kv_pages") and r.get("kv_memory_gib"):
     problems.append(
@@ -1030,10 +1049,15 @@ def validate(c: ml_collections.ConfigDict, *, evaluating: bool = False) -> None:
       envs.parse_eval_paths(c.data.eval_path)
     except errors.ConfigError as e:
       problems.append(str(e))
-  if problems:
-    raise errors.ConfigError("invalid config: " + "; ".join(problems))
+  return problems
 
-  # Relations between fields (each of them valid on its own).
+
+def _check_relations(c: ml_collections.ConfigDict, *, evaluating: bool) -> None:
+  """Relations between fields, each of them valid on its own: batch splits, the loss's needs,
+  model and data together."""
+  from gppo_jax.algorithm import objective
+  from gppo_jax.data import tasks
+
   r, u = c.rollout, c.train
   n = r.prompts_per_iter * r.group_size
   if n % (u.minibatches * u.microbatches):
