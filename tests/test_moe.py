@@ -475,7 +475,8 @@ def test_planner_counts_experts_and_shards_them():
   c = module.get_config("gpu8")
   config_lib.validate(c)
   assert dict(module.get_config("v5p64,cell=dapo").mesh)["fsdp"] == 4
-  assert dict(c.mesh) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8}
+  axes = {k: v for k, v in c.mesh.items() if k not in ("rollout", "rollout_devices")}
+  assert axes == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8}
   assert c.rollout.routing_replay
   cfg, _ = plan.model_config(c)
   assert cfg.family == "qwen3_moe" and cfg.num_experts == 128
