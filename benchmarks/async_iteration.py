@@ -78,7 +78,7 @@ class LongTailed:
     self.batch_multiple = engine.batch_multiple
 
   def __call__(self, params, prompt_tokens, prompt_mask, rng, sampling, **kwargs):
-    if sampling.temperature == 0 or sampling.max_new_tokens < self.cap:  # an evaluation
+    if sampling.greedy or sampling.max_new_tokens < self.cap:  # an evaluation
       return self.engine(params, prompt_tokens, prompt_mask, rng, sampling, **kwargs)
     seed = int(np.asarray(jax.random.key_data(rng) if _typed(rng) else rng).sum())
     draw = np.random.default_rng(seed).lognormal(0.0, self.sigma, len(prompt_tokens))

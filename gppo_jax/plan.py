@@ -352,7 +352,8 @@ def plan(
   split = sampler_mesh is not mesh
   cfg, _ = model_config(config)
   sharding.check_experts(cfg, mesh.shape)
-  sharding.check_experts(cfg, sampler_mesh.shape)
+  if split:
+    sharding.check_experts(cfg, sampler_mesh.shape)
   n, p, r = rollout_shape(config)
   notes = []
   if cfg.is_moe:
@@ -551,8 +552,7 @@ def iteration_time(
 @functools.lru_cache(maxsize=8)
 def abstract_param_count(cfg: architectures.ModelConfig) -> int:
   """Every parameter of the model, counted on its abstract state (nothing allocated)."""
-  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(model_lib.abstract_state(cfg)))
 
 
 def format_time(t: TimePlan, platform: str) -> str:

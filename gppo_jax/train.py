@@ -221,7 +221,8 @@ def _set_up(
     config, env.max_prompt_len, sampling.max_new_tokens, model_cfg
   )
   sharding.check_experts(model_cfg, mesh.shape)
-  sharding.check_experts(model_cfg, sampler_mesh.shape)
+  if sampler_mesh is not mesh:
+    sharding.check_experts(model_cfg, sampler_mesh.shape)
   # The batch's structure (which optional fields it carries) fixes the compiled functions.
   r = config.rollout
   batch = train_step.abstract_batch(

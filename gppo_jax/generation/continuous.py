@@ -395,7 +395,7 @@ class _Rollout:
     self.pages = _GroupPages(R, self.num_pages, S, self.max_pages, P // ps, ps)
     # Each prompt's last cache slot + 1: P (left-padded), or its length when shifted.
     self.ends = self.mask.sum(axis=1) if self.shifted else np.full(len(prompts), P)
-    self.params = _in_compute_dtype(params, self.model_cfg.compute_dtype)
+    self.params = in_compute_dtype(params, self.model_cfg.compute_dtype)
     self.state = _init_state(
       self.model_cfg, R, engine.per_group, self.num_pages, ps, self.key_data.shape[1:],
       engine._spread,
@@ -676,7 +676,7 @@ class _Rollout:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
+def in_compute_dtype(params: nnx.State, dtype) -> nnx.State:
   """The floating parameters cast to the compute dtype once per call: each decode step then
   reads 16-bit weights instead of casting float32 ones again (every use casts them to this
   dtype anyway, so the results are the same)."""

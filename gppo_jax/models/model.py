@@ -837,6 +837,11 @@ def create(cfg: ModelConfig, seed: int = 0) -> Transformer:
   return nnx.merge(abstract_graphdef(cfg), _init_state(cfg, jnp.int32(seed)))
 
 
+def abstract_state(cfg: ModelConfig) -> nnx.State:
+  """The parameters of Transformer(cfg) as jax.ShapeDtypeStructs, without allocating them."""
+  return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
 def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
   """The module structure of Transformer(cfg), without allocating parameters."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

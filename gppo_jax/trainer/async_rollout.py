@@ -24,23 +24,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from gppo_jax.generation import continuous
 from gppo_jax.models import partitioning
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(tree: Any, dtype) -> Any:
-  """The floating leaves in `dtype`, the others as they are (placed where the inputs are)."""
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree.map(cast, tree)
 
 
 def _gib(tree: Any) -> float:
@@ -86,7 +78,7 @@ class ParamSync:
 
   def _move(self, tree: Any, shardings: Any) -> Any:
     if self.dtype is not None:
-      tree = _cast(tree, self.dtype)
+      tree = continuous.in_compute_dtype(tree, self.dtype)  # the engine's own cast
     return jax.device_put(tree, shardings)
 
   def __call__(self, params: Any, frozen: Any, *, version: int) -> Moved:

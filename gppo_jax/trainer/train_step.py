@@ -183,8 +183,7 @@ def abstract_train_state(
 ) -> TrainState:
   """The TrainState of a fresh model of `cfg` with optimizer `tx`, as jax.ShapeDtypeStructs:
   what the update compiles for when nothing is to be allocated (plan.py, benchmarks/)."""
-  params = nnx.state(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
-  params, frozen = lora_lib.split_lora(params)
+  params, frozen = lora_lib.split_lora(model_lib.abstract_state(cfg))
   return TrainState(
     params=params,
     opt_state=jax.eval_shape(tx.init, params),
