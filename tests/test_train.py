@@ -662,6 +662,9 @@ def test_warm_start_schedule_is_in_the_cache_key_and_off_by_default():
     ws[field] = value
     keys.add(key(ws))
   assert len(keys) == 4
+  # An env made to answer at another length (a benchmark's long rows) is another entry.
+  env.max_new_tokens = 64
+  assert key(c.warmstart) not in keys
   tx = warmstart.make_optimizer(3e-3, (100, 0.1, 3000, 1.0))
   params = {"w": np.zeros(3, np.float32)}
   state = tx.init(params)

@@ -42,6 +42,13 @@ def _cache_key(env: BuiltinEnv, model_cfg, ws_cfg, seed: int) -> str:
     # The schedule's fields only where they differ from plain Adam at lr, so that the entries
     # cached before the fields existed keep their keys.
     **({"schedule": _schedule(ws_cfg)} if _schedule(ws_cfg) != _PLAIN else {}),
+    # The supervised rows are padded to the env's response length: a policy trained at another
+    # length is another policy (the key leaves it out at the task's own length, as before).
+    **(
+      {"max_new_tokens": env.max_new_tokens}
+      if env.max_new_tokens != env.task.max_answer_len + 1
+      else {}
+    ),
     "seed": seed,
   }
   blob = json.dumps(desc, sort_keys=True, default=str).encode()
