@@ -37,9 +37,10 @@ REQUIRED = {
 
 # train.shuffle: how each epoch cuts the rollout batch into mini-batches (train_step.UpdateSpec).
 SHUFFLES = ("groups", "rows")
-# rollout.mode: take turns with the update, or draw the next rollout beside it
-# (trainer/async_rollout.py).
-ROLLOUT_MODES = ("sync", "async")
+# rollout.mode: take turns with the update, draw the next rollout beside it
+# (trainer/async_rollout.py), or stream groups from an engine that never drains
+# (trainer/stream_rollout.py).
+ROLLOUT_MODES = ("sync", "async", "stream")
 # Where warm starts are cached unless a config says otherwise: $GPPO_WARMSTART_CACHE, else this.
 # A machine's setting, like $GPPO_XLA_CACHE for compiled programs.
 WARMSTART_CACHE_ENV = "GPPO_WARMSTART_CACHE"
@@ -319,7 +320,12 @@ def _rollout_section() -> ml_collections.ConfigDict:
   # the policy of iteration t + 1 - k, while iteration t updates; the same computation as "sync"
   # with that staleness, so the same metrics. With mesh.rollout_devices > 0 the two run on their
   # own devices; else they share them (the overlap is then the host's scoring and scheduling).
+  # "stream": the continuous engine never drains; prompts flow into free slots, each update's
+  # weights are loaded between decode chunks (a response may span several policy versions, each
+  # token's recorded), and the update takes finished groups as they come, dropping (and counting)
+  # those whose oldest token is more than `max_staleness` updates old.
   s.mode = "sync"
+  s.max_staleness = 1
   # Mixtures of experts: the sampler records the experts each response token was routed to and
   # the update's forward reuses them (recomputing their weights with the current router), so the
   # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of
@@ -806,6 +812,7 @@ def _rollout_rules() -> tuple[tuple[str, Any], ...]:
     ("rollout.refill_rounds", Int(0)),
     ("rollout.staleness", Int(0)),
     ("rollout.mode", OneOf(ROLLOUT_MODES)),
+    ("rollout.max_staleness", Int(1)),
     ("mesh.rollout_devices", Int(0)),
     ("rollout.routing_replay", Flag()),
   )
@@ -1034,10 +1041,21 @@ def _combination_problems(c: ml_collections.ConfigDict) -> list[str]:
       "drawn while iteration t updates, so it cannot use that update's policy (set "
       "rollout.staleness=1, or rollout.mode='sync')"
     )
-  lora = c.model.get("lora")
-  if r.get("mode", "sync") == "async" and lora and lora.rank and not c.mesh.get("rollout_devices"):
+  mode = r.get("mode", "sync")
+  if mode == "stream" and r.staleness:
     problems.append(
-      f"rollout.mode='async' with LoRA (model.lora.rank={lora.rank}) needs "
+      f"rollout.mode='stream' with rollout.staleness={r.staleness}: a stream's lag is bounded by "
+      "rollout.max_staleness, not fixed (set rollout.staleness=0)"
+    )
+  if mode == "stream" and r.get("engine", "auto") == "fixed":
+    problems.append(
+      "rollout.mode='stream' runs the continuous engine (it never drains), not fixed batches "
+      "(set rollout.engine='continuous' or 'auto')"
+    )
+  lora = c.model.get("lora")
+  if mode != "sync" and lora and lora.rank and not c.mesh.get("rollout_devices"):
+    problems.append(
+      f"rollout.mode={mode!r} with LoRA (model.lora.rank={lora.rank}) needs "
       "mesh.rollout_devices > 0: on a shared mesh each update donates the frozen base that the "
       "rollout beside it reads"
     )

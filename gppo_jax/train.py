@@ -34,7 +34,7 @@ from flax import nnx
 
 from gppo_jax import config_lib, errors, files
 from gppo_jax.algorithm import correction
-from gppo_jax.generation import continuous, sampler
+from gppo_jax.generation import continuous, sampler, stream
 from gppo_jax.models import partitioning, sharding
 from gppo_jax.research import diagnostics
 from gppo_jax.trainer import (
@@ -44,6 +44,7 @@ from gppo_jax.trainer import (
   interrupts,
   metric_writers,
   rollout,
+  stream_rollout,
   train_step,
 )
 
@@ -146,6 +147,8 @@ class Run:
   probe: Callable | None = None
   # rollout.mode="async": the rollout of the next iteration, drawn during this one's update.
   ahead: async_rollout.Ahead | None = None
+  # rollout.mode="stream": finished groups from an engine that never drains.
+  stream: stream_rollout.Stream | None = None
 
   @functools.cached_property
   def seed_key(self) -> jax.Array:
@@ -160,14 +163,16 @@ class Run:
     state.frozen), on the sampler's devices."""
     if self.ahead is not None:
       self.ahead.wait()  # the sampler serves one caller at a time
-    return experiment.evaluate(
-      self.config,
-      self.graphdef,
-      self.param_sync(params, frozen, version=-1).policy,
-      self.env,
-      max_new_tokens=self.sampling.max_new_tokens,
-      sample_fn=self.sample_fn,
-    )
+    # A stream holds still meanwhile: the environment scores one caller's responses at a time.
+    with self.stream.paused() if self.stream is not None else contextlib.nullcontext():
+      return experiment.evaluate(
+        self.config,
+        self.graphdef,
+        self.param_sync(params, frozen, version=-1).policy,
+        self.env,
+        max_new_tokens=self.sampling.max_new_tokens,
+        sample_fn=self.sample_fn,
+      )
 
   def to_devices(self, batch: train_step.Batch) -> train_step.Batch:
     return sharding.shard_batch(jax.tree.map(lambda x: x[self.rows], batch), self.mesh)
@@ -180,6 +185,9 @@ class Run:
       "history": self.history,
       "config": self.config.to_json_best_effort(),
     }
+    if self.stream is not None:  # the draws with prompts not yet taken, and what was taken
+      meta["stream"] = self.stream.state()
+      meta["env"] = meta["stream"].pop("env")
     extras = {"behaviour": self.behaviour} if self.behaviour else None
     # Without LoRA's frozen base: it is rebuilt from model.path or the warm start.
     checkpointing.save(self.mngr, iteration, state.saved(), meta, wait=wait, extras=extras)
@@ -269,7 +277,40 @@ def _set_up(
   if r.get("mode", "sync") == "async":
     run.ahead = async_rollout.Ahead()
     stack.callback(run.ahead.close)  # before the environment closes: the rollout scores in it
+  if r.get("mode", "sync") == "stream":
+    run.stream = _stream(run)
+    stack.callback(run.stream.close)  # before the environment closes: the stream scores in it
   return run, state
+
+
+def _stream(run: Run) -> stream_rollout.Stream:
+  """The rollout stream of rollout.mode="stream", on the sampler's devices (not started)."""
+  config = run.config
+  engine = stream.StreamEngine(
+    run.graphdef,
+    run.sampling,
+    experiment.engine_config(config, run.sampler_mesh),
+    group_size=config.rollout.group_size,
+    capacity=stream_rollout.capacity(config),
+    prompt_len=run.spec.prompt_len,
+    key=jax.random.fold_in(run.seed_key, stream_rollout.STREAM_KEY),
+    mesh=run.sampler_mesh,
+  )
+  mine = [d for d in run.sampler_mesh.devices.flat if d.process_index == jax.process_index()]
+  return stream_rollout.Stream(
+    config, run.env, engine, run.sampling, prompt_len=run.spec.prompt_len,
+    pad_id=run.sampling.pad_id, use_topk=run.spec.use_topk,
+    device=mine[0] if run.sampler_mesh is not run.mesh and mine else None,
+  )  # fmt: skip
+
+
+def _publish(run: Run, state, version: int) -> None:
+  """The policy after `version` updates, to the stream's engine: moved to the sampler's devices,
+  or on a shared mesh a copy (the next update donates the state's own buffers)."""
+  params = state.params
+  if not run.param_sync.split:
+    params = jax.tree.map(jnp.copy, params)
+  run.stream.publish(run.param_sync(params, state.frozen, version=version).policy, version)
 
 
 def _reference(state: train_step.TrainState) -> Any:
@@ -480,7 +521,10 @@ def _update_batch(run: Run, state, iteration: int):
   # ago (as in asynchronous RL, where samples arrive from a policy that has since moved on).
   behaviour = run.behaviour[0] if run.behaviour else state.params
   drawn = run.ahead.take(iteration) if run.ahead is not None else None
-  if drawn is not None:
+  if run.stream is not None:  # finished groups, each token drawn by some recent policy
+    batch, metrics = run.stream.take(iteration)
+    metrics["async/wait_s"] = time.perf_counter() - t0
+  elif drawn is not None:
     batch, metrics = drawn
     metrics["async/wait_s"] = time.perf_counter() - t0  # the update waited for the sampler
   else:
@@ -514,6 +558,8 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     start = jax.device_get(run.diagnose(state.policy(behaviour), state.policy(), on_devices))
     metrics.update({"diag_start/" + k.split("/", 1)[1]: v for k, v in start.items()})
   state, upd = run.update(state, on_devices, update_key)
+  if run.stream is not None:  # loaded by the engine between two chunks, once it has landed
+    _publish(run, state, iteration + 1)
   if run.behaviour:
     run.behaviour = run.behaviour[1:] + [before]
   metrics.update(train_step.summarize_update_metrics(jax.device_get(upd)))
@@ -527,7 +573,9 @@ def _iteration(run: Run, state, iteration: int) -> tuple[Any, dict[str, float]]:
     metrics["time/diagnostics_s"] = time.perf_counter() - t3
   metrics.update(
     {
-      "rollout/behaviour_lag": float(min(run.config.rollout.staleness, iteration)),
+      "rollout/behaviour_lag": metrics.get(
+        "rollout/lag_mean", float(min(run.config.rollout.staleness, iteration))
+      ),
       "optim/steps": float(state.step),
       "time/logprobs_s": t2 - t1,
       "time/update_s": t3 - t2,
@@ -656,6 +704,8 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
       restored_step,
     )
     run.env.restore(meta["env"])
+    if run.stream is not None:
+      run.stream.restore(meta.get("stream"))
     run.history = meta.get("history", run.history)
     log.info("resumed from %s at iteration %d/%d", run.mngr.directory, start, config.iterations)
   else:
@@ -677,6 +727,9 @@ def _train(config, workdir, checkpoint_dir, signals, stack) -> dict[str, Any]:
     writer.write(0, run.history["initial_eval"])
   # Logged once, with the run's first iteration (a resumed run logged them before).
   param_counts = _param_counts(state) if restored is None else {}
+  if run.stream is not None:
+    _publish(run, state, start)
+    run.stream.start()
 
   profile = _ProfileWindow(config.get("profile"), workdir)
   stack.callback(profile.close)

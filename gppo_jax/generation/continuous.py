@@ -218,6 +218,7 @@ class _Chunk:
   slots: np.ndarray  # global slot ids that ran
   rows: np.ndarray  # the row each of them held
   batch: int  # rows computed per step: the batch size times the groups
+  version: int = 0  # the policy version that ran it (`_Rollout.version`)
 
 
 class ContinuousSampler:
@@ -362,42 +363,52 @@ class _Rollout:
 
   def __init__(self, engine: ContinuousSampler, params, prompts, key, group_size, prompt_len,
                prompt_ids, row_limits):  # fmt: skip
-    cfg, sp = engine.engine, engine.sampling
-    self.engine, self.cfg, self.sp = engine, cfg, sp
-    G, N, ps = group_size, sp.max_new_tokens, cfg.page_size
+    G, N, ps = group_size, engine.sampling.max_new_tokens, engine.engine.page_size
     if G < 1:
       raise ValueError(f"group_size={G} must be >= 1")
     if not len(prompts):
       raise ValueError("no prompts given")
-    self.G, self.N, self.ps = G, N, ps
-    self.num_rows = len(prompts) * G
     longest = max(map(len, prompts))
     P = -(-max(prompt_len or 0, longest) // ps) * ps
-    self.P = P
-    self.prompts = [list(map(int, p)) for p in prompts]
-    self.tokens, self.mask = sampler_lib.left_pad(self.prompts, pad_id=sp.pad_id, length=P)
     ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids)
     keys = sampler_lib.row_keys(key, np.repeat(ids, G), np.tile(np.arange(G), len(prompts)))
-    self.key_data = np.asarray(jax.random.key_data(keys))  # [rows, ...], prompt-major
-    self.limits = np.full(self.num_rows, N, np.int32)
+    key_data = np.asarray(jax.random.key_data(keys))  # [rows, ...], prompt-major
+    self._lay_out(engine, params, G, P, len(prompts), key_data.shape[1:])
+    self.key_data = key_data
+    self.prompts = [list(map(int, p)) for p in prompts]
+    self.tokens, self.mask = sampler_lib.left_pad(self.prompts, pad_id=self.sp.pad_id, length=P)
     if row_limits is not None:
       limits = np.asarray(row_limits, np.int32).reshape(-1)
       if limits.shape != (self.num_rows,) or limits.min() < 1 or limits.max() > N:
         raise ValueError(f"row_limits: one limit in [1, {N}] per row ({self.num_rows} rows)")
       self.limits = limits
+    # Each prompt's last cache slot + 1: P (left-padded), or its length when shifted.
+    self.ends = self.mask.sum(axis=1) if self.shifted else np.full(len(prompts), P)
+    for prompt in range(len(prompts)):
+      self._queue(prompt)
+
+  def _lay_out(self, engine: ContinuousSampler, params, G: int, P: int, num_prompts: int,
+               key_shape: tuple[int, ...]) -> None:  # fmt: skip
+    """The device state and the host's bookkeeping of num_prompts prompts' G rows each, prompts
+    padded to P tokens (a multiple of the page size), row keys' data of key_shape; every row's
+    limit max_new_tokens."""
+    cfg, sp = engine.engine, engine.sampling
+    self.engine, self.cfg, self.sp = engine, cfg, sp
+    self.G, self.N, self.ps, self.P = G, sp.max_new_tokens, cfg.page_size, P
+    self.num_rows = num_prompts * G
+    self.limits = np.full(self.num_rows, self.N, np.int32)
     self.model_cfg = nnx.merge(engine.graphdef, params).cfg
     self.impl = engine._attention(self.model_cfg)
     self.shifted = self.impl == "pallas"  # the prompt layout (`paged`)
     R, S = engine.groups, engine.per_group * engine.groups
     self.R, self.S, self.per_group = R, S, engine.per_group
     self.num_pages = engine.pool_pages(P, G, self.impl, self.model_cfg)
-    self.max_pages = _pages(P + N - 1, ps)
-    self.pages = _GroupPages(R, self.num_pages, S, self.max_pages, P // ps, ps)
-    # Each prompt's last cache slot + 1: P (left-padded), or its length when shifted.
-    self.ends = self.mask.sum(axis=1) if self.shifted else np.full(len(prompts), P)
+    self.max_pages = _pages(P + self.N - 1, self.ps)
+    self.pages = _GroupPages(R, self.num_pages, S, self.max_pages, P // self.ps, self.ps)
     self.params = in_compute_dtype(params, self.model_cfg.compute_dtype)
+    self.version = 0  # the policy version of self.params (what each chunk records)
     self.state = _init_state(
-      self.model_cfg, R, engine.per_group, self.num_pages, ps, self.key_data.shape[1:],
+      self.model_cfg, R, engine.per_group, self.num_pages, self.ps, tuple(key_shape),
       engine._spread,
     )  # fmt: skip
     self.outputs = _init_outputs(self.model_cfg, sp, self.num_rows, engine._whole)
@@ -410,15 +421,17 @@ class _Rollout:
     self.ahead = np.zeros(S, np.int64)  # chunks dispatched since its flags were last read
     self.row_step = np.zeros(self.num_rows, np.int32)  # tokens drawn, as last read
     self.pending: collections.deque[_Unit] = collections.deque()
-    per_unit = min(G, engine.per_group)  # a prompt's samples in parts that fit a group
-    for prompt in range(len(prompts)):
-      for first in range(0, G, per_unit):
-        self.pending.append(_Unit(prompt, list(range(first, min(G, first + per_unit)))))
     self.waiting: set[int] = set()  # preempted rows whose last chunk is not read yet
     self.counters: collections.Counter = collections.Counter()
     self.sizes: set[int] = set()
     self.peak_pages = 0
     self.host_wait = 0.0
+
+  def _queue(self, prompt: int) -> None:
+    """Queues a prompt's G samples for admission, in parts that fit a slot group."""
+    per_unit = min(self.G, self.per_group)
+    for first in range(0, self.G, per_unit):
+      self.pending.append(_Unit(prompt, list(range(first, min(self.G, first + per_unit)))))
 
   # -- the loop ------------------------------------------------------------------------------
 
@@ -632,7 +645,9 @@ class _Rollout:
     )  # fmt: skip
     self.outputs = _write(self.outputs, records, e._put(rows), cols, e._whole)
     self.counters["decode_calls"] += 1
-    return _Chunk(flags=flags, slots=ran, rows=self.slot_row[ran].copy(), batch=B * R)
+    return _Chunk(
+      flags=flags, slots=ran, rows=self.slot_row[ran].copy(), batch=B * R, version=self.version
+    )
 
   def _preempt(self, slot: int) -> None:
     """Frees a running row's slot and pages; it is admitted again once its progress is read."""
@@ -644,9 +659,11 @@ class _Rollout:
 
   # -- collect -------------------------------------------------------------------------------
 
-  def collect(self, chunk: _Chunk) -> None:
+  def collect(self, chunk: _Chunk) -> list[int]:
     """Reads a chunk's flags: releases the rows that finished, queues the preempted rows it
-    last ran (at the front, with the tokens they drew) and counts its steps."""
+    last ran (at the front, with the tokens they drew) and counts its steps. Returns the rows
+    the flags show finished (a row that finished in a chunk is shown again by the next one,
+    dispatched before its flags were read)."""
     t0 = time.perf_counter()
     done, step, length = (
       np.asarray(x).reshape(-1) for x in sharding.to_host(chunk.flags)
@@ -659,7 +676,7 @@ class _Rollout:
     self.counters["decode_steps"] += taken
     self.counters["batch_steps"] += taken * chunk.batch
     self.row_step[rows] = step[slots]
-    resumed = []
+    resumed, finished = [], []
     for s, row, is_done in zip(slots, rows, done[slots], strict=True):
       here = self.slot_row[s] == row
       if here:
@@ -669,10 +686,12 @@ class _Rollout:
           self.pages.release(int(s))
           self.slot_row[s] = -1
         self.waiting.discard(int(row))
+        finished.append(int(row))
       elif row in self.waiting:
         self.waiting.discard(int(row))
         resumed.append(_Unit(int(row) // self.G, [int(row) % self.G], True, int(step[s])))
     self.pending.extendleft(reversed(resumed))
+    return finished
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -961,22 +980,26 @@ class EngineSampler:
     busy_share (rows decoded over rows computed), decode steps and calls, the smallest and
     largest batch used and how many sizes, preempted and resumed rows, peak and pool pages,
     the host's wait for a chunk's flags."""
-    st = self.stats
-    if not st:
-      return {}
-    sizes = st["batch_sizes"] or [0]
-    figures = dict(
-      busy_share=st["busy_share"],
-      decode_steps=st.get("decode_steps", 0),
-      decode_calls=st.get("decode_calls", 0),
-      prefill_calls=st.get("prefill_calls", 0),
-      batch_min=min(sizes),
-      batch_max=max(sizes),
-      batch_sizes=len(st["batch_sizes"]),
-      preempted=st.get("preempted", 0),
-      resumed=st.get("resumed_rows", 0),
-      peak_pages=st["peak_pages"],
-      pool_pages=st["num_pages"],
-      host_wait_s=st["host_wait_per_chunk_s"],
-    )
-    return {f"rollout/engine/{k}": float(v) for k, v in figures.items()}
+    return engine_metrics(self.stats)
+
+
+def engine_metrics(st: dict) -> dict[str, float]:
+  """`_Rollout.stats` as run metrics (`EngineSampler.metrics`); {} for no stats."""
+  if not st:
+    return {}
+  sizes = st["batch_sizes"] or [0]
+  figures = dict(
+    busy_share=st["busy_share"],
+    decode_steps=st.get("decode_steps", 0),
+    decode_calls=st.get("decode_calls", 0),
+    prefill_calls=st.get("prefill_calls", 0),
+    batch_min=min(sizes),
+    batch_max=max(sizes),
+    batch_sizes=len(st["batch_sizes"]),
+    preempted=st.get("preempted", 0),
+    resumed=st.get("resumed_rows", 0),
+    peak_pages=st["peak_pages"],
+    pool_pages=st["num_pages"],
+    host_wait_s=st["host_wait_per_chunk_s"],
+  )
+  return {f"rollout/engine/{k}": float(v) for k, v in figures.items()}

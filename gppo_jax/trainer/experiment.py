@@ -445,6 +445,13 @@ def sample_fn(config, graphdef, param_shardings, mesh):
   r = config.rollout
   if continuous.engine_for(r.get("engine", "auto"), r.max_new_tokens) == "fixed":
     return sampler.MeshSampler(graphdef, param_shardings)
+  return continuous.EngineSampler(graphdef, engine_config(config, mesh), mesh)
+
+
+def engine_config(config, mesh) -> continuous.EngineConfig:
+  """The continuous engine's settings (`rollout.*`) on the mesh's batch shards; rollout.slots 0:
+  a slot for every row of a rollout."""
+  r = config.rollout
   shards = sharding.batch_shards(mesh)
   slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
   if slots % shards:
@@ -452,8 +459,7 @@ def sample_fn(config, graphdef, param_shardings, mesh):
       f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
       f"({dict(mesh.shape)}): each shard decodes its own share of the slots"
     )
-  engine = continuous.EngineConfig(
+  return continuous.EngineConfig(
     slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk,
     attention=r.get("paged_attention", "auto"), kv_memory_gib=r.get("kv_memory_gib") or None,
   )  # fmt: skip
-  return continuous.EngineSampler(graphdef, engine, mesh)

@@ -112,8 +112,21 @@ def generate(
   p_tok, p_mask = sampler.left_pad([p.token_ids for p in rep], pad_id=pad_id, length=prompt_len)
   out = jax.tree.map(np.asarray, sample_fn(params, p_tok, p_mask, key, sampling))
   t1 = time.perf_counter()
+  groups, metrics = score(config, env, rep, p_tok, p_mask, out, sampling)
+  if hasattr(sample_fn, "metrics"):  # the continuous engine's figures (rollout/engine/*)
+    metrics.update(sample_fn.metrics())
+  metrics["time/sample_s"] = t1 - t0
+  metrics["time/reward_s"] = time.perf_counter() - t1
+  return groups, metrics
+
+
+def score(
+  config, env, prompts: Sequence, p_tok: np.ndarray, p_mask: np.ndarray, out, sampling
+) -> tuple[Groups, dict[str, float]]:
+  """Scores and shapes sampled responses (`out`, numpy, one row per entry of `prompts`, in
+  groups of rollout.group_size): (groups, env.score's and the shaping's metrics)."""
   texts = policy_eval.decode_responses(env.tokenizer, out.tokens, out.mask, sampling.stop_ids)
-  correct, valid, metrics = env.score(texts, rep)
+  correct, valid, metrics = env.score(texts, prompts)
   rewards, shaping_metrics = envs.shape_rewards(
     correct,
     texts,
@@ -124,10 +137,6 @@ def generate(
     answer_format=config.reward.get("answer_format", "boxed"),
   )
   metrics.update(shaping_metrics)
-  if hasattr(sample_fn, "metrics"):  # the continuous engine's figures (rollout/engine/*)
-    metrics.update(sample_fn.metrics())
-  metrics["time/sample_s"] = t1 - t0
-  metrics["time/reward_s"] = time.perf_counter() - t1
   groups = Groups(
     prompt_tokens=p_tok,
     prompt_mask=p_mask,
@@ -136,7 +145,7 @@ def generate(
     valid=np.asarray(valid, bool),
     rewards=np.asarray(rewards, np.float32),
     truncated=truncated_rows(out, sampling.stop_ids),
-    group_size=r.group_size,
+    group_size=config.rollout.group_size,
   )
   return groups, metrics
 
@@ -195,9 +204,20 @@ def collect(
     signals.append(has_signal(groups))  # per group: each round's once, one shape compiled
     if sum(int(s.sum()) for s in signals) >= need:
       break
-  pool = Groups.concat(rounds)
-  signal = np.concatenate(signals)
-  if len(rounds) > 1:
+  metrics = _mean_rows(metric_rows)
+  for k in ("time/sample_s", "time/reward_s"):  # totals over the rounds, not means
+    metrics[k] = float(sum(m[k] for m in metric_rows))
+  metrics["rollout/rounds"] = float(len(rounds))
+  return assemble(config, Groups.concat(rounds), np.concatenate(signals), metrics, use_topk)
+
+
+def assemble(
+  config, pool: Groups, signal: np.ndarray, metrics: dict[str, float], use_topk: bool = False
+) -> tuple[train_step.Batch, dict[str, float]]:
+  """The batch of rollout.prompts_per_iter groups from `pool` (the groups drawn, in order, with
+  `signal`: bool per group, `has_signal`) and its metrics (`metrics`, the rounds', updated)."""
+  a, need = config.advantage, config.rollout.prompts_per_iter
+  if pool.num_groups > need:
     # Groups with signal first, in the order drawn; then zero-signal ones (masked) if short.
     order = np.concatenate([np.flatnonzero(signal), np.flatnonzero(~signal)])[:need]
   else:
@@ -233,7 +253,7 @@ def collect(
     loss_mask=out.mask & keep[:, None],
     **optional,
   )
-  metrics = _mean_rows(metric_rows)
+  metrics = dict(metrics)
   metrics.update({k: float(v) for k, v in adv_metrics.items()})
   # The policy's figures over every response drawn (each round is an unbiased sample of it).
   metrics.update(
@@ -243,7 +263,6 @@ def collect(
       "reward/std": float(np.std(pool.rewards)),
       "response/length_mean": float(np.mean(pool.out.lengths)),
       "response/truncated_frac": float(np.mean(pool.truncated)),
-      "rollout/rounds": float(len(rounds)),
       "rollout/groups_sampled": float(pool.num_groups),
       "rollout/signal_groups_frac": float(np.mean(kept_signal)),
       "rollout/loss_rows_frac": float(np.mean(keep)),
@@ -254,8 +273,6 @@ def collect(
     metrics["rollout/entropy"] = float(
       np.sum(np.where(pool.out.mask, pool.out.entropy, 0.0)) / np.sum(pool.out.mask)
     )
-  for k in ("time/sample_s", "time/reward_s"):  # totals over the rounds, not means
-    metrics[k] = float(sum(m[k] for m in metric_rows))
   return batch, metrics
 
 
