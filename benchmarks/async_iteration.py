@@ -12,7 +12,12 @@ rollout.staleness=1, interleaving `--repeats` runs of each mode:
   drawn on the last device while iteration t updates on the others (trainer/async_rollout.py);
 - sync_split (--modes sync,async,sync_split): the async run's split, taking turns;
 - async_shared: rollout.mode="async" on one mesh over every device (the rollout thread's work
-  interleaves with the update's on the same devices).
+  interleaves with the update's on the same devices);
+- stream (--modes ...,stream): rollout.mode="stream" with rollout.max_staleness=--max-staleness
+  on the async run's split: the engine never drains, loads each update's weights between decode
+  chunks, and the update takes groups as they finish (trainer/stream_rollout.py); stream_shared
+  on one mesh. Its rows run to lengths drawn alike (seeded by each prompt's id), its groups'
+  lags vary, and groups older than the bound are dropped (`dropped`: per iteration).
 
 Both compute the same iterations (same keys, prompts, behaviour policies; tests/test_async.py
 checks the metrics are equal). Each rollout row's length is forced (`row_limits`, stop tokens
@@ -62,8 +67,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gppo_jax import train  # noqa: E402
-from gppo_jax.data import envs  # noqa: E402
-from gppo_jax.generation import continuous  # noqa: E402
+from gppo_jax.generation import continuous, stream  # noqa: E402
 from gppo_jax.trainer import experiment  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +85,7 @@ class LongTailed:
     if sampling.greedy or sampling.max_new_tokens < self.cap:  # an evaluation
       return self.engine(params, prompt_tokens, prompt_mask, rng, sampling, **kwargs)
     seed = int(np.asarray(jax.random.key_data(rng) if _typed(rng) else rng).sum())
-    draw = np.random.default_rng(seed).lognormal(0.0, self.sigma, len(prompt_tokens))
-    limits = np.clip(np.round(draw * self.mean / np.exp(self.sigma**2 / 2)), 1, self.cap)
+    limits = _lengths(seed, len(prompt_tokens), self.mean, self.cap, self.sigma)
     sampling = dataclasses.replace(sampling, stop_ids=())
     return self.engine(
       params, prompt_tokens, prompt_mask, rng, sampling, row_limits=limits.astype(np.int32),
@@ -91,6 +94,12 @@ class LongTailed:
 
   def metrics(self):
     return self.engine.metrics()
+
+
+def _lengths(seed: int, rows: int, mean: float, cap: int, sigma: float) -> np.ndarray:
+  """rows lognormal lengths with the given mean, rounded and clipped to [1, cap]."""
+  draw = np.random.default_rng(seed).lognormal(0.0, sigma, rows)
+  return np.clip(np.round(draw * mean / np.exp(sigma**2 / 2)), 1, cap)
 
 
 def _typed(key) -> bool:
@@ -107,9 +116,10 @@ def make_config(args, mode: str):
   c.rollout.group_size = args.group
   c.rollout.max_new_tokens = args.new
   c.rollout.engine = "continuous"
-  c.rollout.staleness = 1
-  c.rollout.mode = "async" if mode.startswith("async") else "sync"
-  c.mesh.rollout_devices = 1 if mode in ("async", "sync_split") else 0
+  c.rollout.staleness = 0 if mode.startswith("stream") else 1
+  c.rollout.mode = mode.split("_")[0]
+  c.rollout.max_staleness = args.max_staleness
+  c.mesh.rollout_devices = 1 if mode in ("async", "sync_split", "stream") else 0
   c.train.shuffle = "rows"
   if args.epochs:
     c.train.epochs = args.epochs
@@ -125,23 +135,36 @@ def make_config(args, mode: str):
 
 
 def run_once(args, mode: str) -> dict:
-  real, real_init = experiment.sample_fn, envs.BuiltinEnv.__init__
+  real, real_build = experiment.sample_fn, experiment.build_policy
 
   def sample_fn(*a, **k):
     return LongTailed(real(*a, **k), args.mean, args.new, args.sigma)
 
-  def env_init(self, *a, **k):  # a built-in task's answers are short: let the rows run long
-    real_init(self, *a, **k)
-    self.max_new_tokens = args.new
+  def build_policy(*a, **k):  # a built-in task's answers are short: let the rows run long
+    # (after the warm start, which stays the task's own: the cached one users run from)
+    graphdef, params, model_cfg, env, info = real_build(*a, **k)
+    env.max_new_tokens = args.new
+    return graphdef, params, model_cfg, env, info
 
-  experiment.sample_fn, envs.BuiltinEnv.__init__ = sample_fn, env_init
+  real_engine, real_add = stream.StreamEngine.__init__, stream.StreamEngine.add
+
+  def engine_init(self, graphdef, sampling, *a, **k):  # the stream's rows run to their limits
+    real_engine(self, graphdef, dataclasses.replace(sampling, stop_ids=()), *a, **k)
+
+  def add(self, prompts, prompt_ids, limits=None):
+    draws = [_lengths(int(i), self.group_size, args.mean, args.new, args.sigma) for i in prompt_ids]
+    real_add(self, prompts, prompt_ids, np.concatenate(draws).astype(np.int32))
+
+  experiment.sample_fn, experiment.build_policy = sample_fn, build_policy
+  stream.StreamEngine.__init__, stream.StreamEngine.add = engine_init, add
   try:
     with tempfile.TemporaryDirectory() as workdir:
       train.train_and_evaluate(make_config(args, mode), workdir)
       with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "time/iteration_s" in r]
   finally:
-    experiment.sample_fn, envs.BuiltinEnv.__init__ = real, real_init
+    experiment.sample_fn, experiment.build_policy = real, real_build
+    stream.StreamEngine.__init__, stream.StreamEngine.add = real_engine, real_add
   steady = rows[2:-1] or rows[-1:]
   med = lambda k: float(np.median([r.get(k, 0.0) for r in steady]))
   return {
@@ -151,6 +174,7 @@ def run_once(args, mode: str) -> dict:
     "sync_s": med("async/sync_s"),
     "wait_s": med("async/wait_s"),
     "lag_mean": float(np.mean([r["rollout/behaviour_lag"] for r in steady])),
+    "dropped": float(np.mean([r.get("rollout/dropped", 0.0) for r in steady])),
     "length_mean": med("response/length_mean"),
   }
 
@@ -169,6 +193,7 @@ def main() -> None:
   p.add_argument("--epochs", type=int, default=0, help="train.epochs (0: the config's)")
   p.add_argument("--minibatches", type=int, default=0, help="train.minibatches (0: the config's)")
   p.add_argument("--modes", default="sync,async")
+  p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness (stream)")
   args = p.parse_args()
   if args.iterations < 4:
     raise SystemExit("--iterations must be >= 4 (two compile, the last evaluates)")
@@ -186,6 +211,11 @@ def main() -> None:
     "speedup": sync["iteration_s"] / asy["iteration_s"] if asy else None,
     "sample_share": sync["rollout_s"] / sync["iteration_s"],
     "lag_mean": asy["lag_mean"] if asy else None,
+    **(
+      {"stream_speedup": sync["iteration_s"] / med["stream"]["iteration_s"]}
+      if "stream" in med
+      else {}
+    ),
     "medians": med,
     "devices": jax.device_count(),
     "mean": args.mean,

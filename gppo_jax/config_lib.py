@@ -325,7 +325,7 @@ def _rollout_section() -> ml_collections.ConfigDict:
   # token's recorded), and the update takes finished groups as they come, dropping (and counting)
   # those whose oldest token is more than `max_staleness` updates old.
   s.mode = "sync"
-  s.max_staleness = 1
+  s.max_staleness = 2
   # Mixtures of experts: the sampler records the experts each response token was routed to and
   # the update's forward reuses them (recomputing their weights with the current router), so the
   # ratio pi / mu is not distorted by routing flips; moe/routing_flips logs the share of

@@ -291,7 +291,8 @@ def _stream(run: Run) -> stream_rollout.Stream:
     run.sampling,
     experiment.engine_config(config, run.sampler_mesh),
     group_size=config.rollout.group_size,
-    capacity=stream_rollout.capacity(config),
+    # Places for the prompts outstanding and those whose groups are being handed out.
+    capacity=2 * stream_rollout.capacity(config),
     prompt_len=run.spec.prompt_len,
     key=jax.random.fold_in(run.seed_key, stream_rollout.STREAM_KEY),
     mesh=run.sampler_mesh,

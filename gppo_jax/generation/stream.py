@@ -84,16 +84,24 @@ class _StreamRollout(continuous._Rollout):
     self.cooling: list[int] = []  # places handed out, freed after the next chunk is read
     self.inflight: continuous._Chunk | None = None
 
-  def add(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int]) -> None:
+  def add(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int],
+          limits: np.ndarray | None = None) -> None:  # fmt: skip
     if len(prompts) != len(prompt_ids):
       raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
+    G, N = self.G, self.N
+    if limits is None:
+      limits = np.full(len(prompts) * G, N, np.int32)
+    limits = np.asarray(limits, np.int32).reshape(-1)
+    if limits.shape != (len(prompts) * G,) or (
+      len(limits) and (limits.min() < 1 or limits.max() > N)
+    ):
+      raise ValueError(f"limits: one limit in [1, {N}] per row ({len(prompts) * G} rows)")
     if len(prompts) > len(self.free_places):
       raise ValueError(
         f"{len(prompts)} prompts added but only {len(self.free_places)} of the stream's "
         f"{self.capacity} places are free (add while StreamEngine.room allows)"
       )
-    G = self.G
-    for tokens, pid in zip(prompts, prompt_ids, strict=True):
+    for k, (tokens, pid) in enumerate(zip(prompts, prompt_ids, strict=True)):
       tokens = [int(t) for t in tokens]
       if not 0 < len(tokens) <= self.P:
         raise ValueError(f"prompt {pid} has {len(tokens)} tokens; the stream takes 1..{self.P}")
@@ -107,6 +115,7 @@ class _StreamRollout(continuous._Rollout):
       keys = sampler_lib.row_keys(self.key, np.full(G, int(pid)), np.arange(G))
       self.key_data[rows] = np.asarray(jax.random.key_data(keys))
       self.row_step[rows], self.finished[rows], self.versions[rows] = 0, False, -1
+      self.limits[rows] = limits[k * G : (k + 1) * G]
       self._queue(place)
 
   # -- one turn ------------------------------------------------------------------------------
@@ -205,6 +214,7 @@ class StreamEngine:
                engine: continuous.EngineConfig, *, group_size: int, capacity: int,
                prompt_len: int, key: jax.Array, mesh: jax.sharding.Mesh | None = None):  # fmt: skip
     self._sampler = continuous.ContinuousSampler(graphdef, sampling, engine, mesh)
+    self.group_size = group_size
     self._args = (capacity, group_size, prompt_len, key)
     self._rollout: _StreamRollout | None = None
     self._lock = threading.Lock()
@@ -256,9 +266,11 @@ class StreamEngine:
     """The policy version the engine runs (None before the first set_params is taken)."""
     return None if self._rollout is None else self._rollout.version
 
-  def add(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int]) -> None:
-    """Queues prompts (token-id lists, each with its global id) for G samples each."""
-    self._ready().add(prompts, prompt_ids)
+  def add(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[int],
+          limits: np.ndarray | None = None) -> None:  # fmt: skip
+    """Queues prompts (token-id lists, each with its global id) for G samples each; limits:
+    int32 [len(prompts) * G], each row's own max_new_tokens (None: the sampling's)."""
+    self._ready().add(prompts, prompt_ids, limits)
 
   def step(self) -> list[StreamGroup]:
     """One scheduler turn (`_StreamRollout.turn`): the groups handed out by it."""

@@ -8,15 +8,15 @@ update takes finished groups as they come.
   with stream.paused(): ...   # evaluation and checkpoints: the stream holds still meanwhile
   stream.state() / stream.restore(state)   # what a checkpoint holds; stream.close()
 
-A worker thread feeds the engine (`generation.stream.StreamEngine`) whole draws of
-rollout.prompts_per_iter prompts from the environment while fewer than
-(1 + rollout.max_staleness) draws' worth are outstanding (fed and not yet taken), turns its
-scheduler, and scores each group as it finishes. The engine loads each published policy
-between two decode chunks, so a response may span several versions; every token records the
-version that drew it. `take(t)` (the learner has had t updates) drops a group whose oldest token
-is more than max_staleness versions old (`rollout/dropped`) and logs the lag of the tokens it
-keeps (`rollout/lag_mean`, `rollout/lag_max`). GPPO needs nothing else: each token's behaviour
-log-prob is the one recorded by the weights that drew it.
+A worker thread draws prompts from the environment prompts_per_iter at a time and feeds them to the
+engine (`generation.stream.StreamEngine`) one by one, keeping prompts_per_iter of them outstanding
+(fed and not yet taken): as the update takes a group, the next prompt goes in. It turns the engine's
+scheduler and scores each group as it finishes. The engine loads each published policy between two
+decode chunks, so a response may span several versions; every token records the version that drew
+it. `take(t)` (the learner has had t updates) drops a group whose oldest token is more than
+max_staleness versions old (`rollout/dropped`) and logs the lag of the tokens it keeps
+(`rollout/lag_mean`, `rollout/lag_max`). GPPO needs nothing else: each token's behaviour log-prob is
+the one recorded by the weights that drew it.
 
 Nothing is lost or trained twice across a restart: prompt ids are global (draw * n + index, and
 the row keys fold them in), the checkpoint holds the environment's state before the oldest draw
@@ -67,9 +67,11 @@ class _Scored:
 
 
 def capacity(config) -> int:
-  """Prompts the stream holds at once: (1 + max_staleness) draws of prompts_per_iter."""
-  r = config.rollout
-  return r.prompts_per_iter * (1 + r.max_staleness)
+  """Prompts outstanding at once (fed, not yet taken): one update's worth. The prompts of update
+  t + 1 go in as update t takes its groups, so while t trains the engine draws t + 1's (a lag of
+  one update where sampling keeps up, as with rollout.mode="async"); more would run further
+  ahead of the learner, so that the groups it takes are older, not sooner."""
+  return config.rollout.prompts_per_iter
 
 
 class Stream:
@@ -90,6 +92,7 @@ class Stream:
     self._draws: dict[int, _Draw] = {}
     self._next_draw = 0
     self._skip: dict[int, set] = {}  # restored: prompts of draws to come already taken
+    self._unfed: collections.deque[tuple[int, int]] = collections.deque()  # (draw, index)
     self._env_after: dict | None = None  # the environment's state after the last draw
     self._outstanding = 0  # prompts fed and not yet taken
     self._pause = 0  # callers holding `paused`
@@ -268,25 +271,36 @@ class Stream:
       return not self._stop
 
   def _feed(self) -> None:
-    """Feeds whole draws while fewer than `capacity` prompts are outstanding."""
+    """Feeds prompts while fewer than `capacity` are outstanding, drawing from the environment
+    prompts_per_iter at a time."""
     while True:
       with self._cond:
         room = self.capacity - self._outstanding
-      if room < self.n or self.engine.room < self.n:
+      room = min(room, self.engine.room)
+      if room <= 0:
         return
-      draw = self._next_draw
-      before = self.env.state()
-      prompts = self.env.train_prompts(self.n)
-      skip = self._skip.pop(draw, set())
-      fed = [i for i in range(len(prompts)) if i not in skip]
+      if not self._unfed:
+        self._draw()
+        continue
+      fed = [self._unfed.popleft() for _ in range(min(room, len(self._unfed)))]
       with self._cond:
-        self._draws[draw] = _Draw(before, prompts, set(skip))
-        self._next_draw = draw + 1
-        self._env_after = self.env.state()
         self._outstanding += len(fed)
-      if fed:
-        with self._engine_lock:
-          self.engine.add([prompts[i].token_ids for i in fed], [draw * self.n + i for i in fed])
+        prompts = [self._draws[d].prompts[i].token_ids for d, i in fed]
+      with self._engine_lock:
+        self.engine.add(prompts, [d * self.n + i for d, i in fed])
+
+  def _draw(self) -> None:
+    """Draws prompts_per_iter prompts from the environment (those of a restored draw that were
+    taken are skipped)."""
+    draw = self._next_draw
+    before = self.env.state()
+    prompts = self.env.train_prompts(self.n)
+    skip = self._skip.pop(draw, set())
+    with self._cond:
+      self._draws[draw] = _Draw(before, prompts, set(skip))
+      self._next_draw = draw + 1
+      self._env_after = self.env.state()
+    self._unfed.extend((draw, i) for i in range(len(prompts)) if i not in skip)
 
   def _score(self, finished: list[stream_lib.StreamGroup]) -> list[_Scored]:
     """Scores finished groups in one env.score call; one `_Scored` per group."""
