@@ -37,12 +37,15 @@ On a mesh the slots split into one group per batch shard (data x fsdp): each gro
 pages of its own, on its shard's devices, and the device programs run the groups side by side (a
 leading shard axis, vmapped), so a slot only ever reads pages held where it runs. A prompt's
 samples share one group (and its prompt pages). Every process runs the same host bookkeeping on
-the same gathered flags, so it serves several hosts as `sampler.MeshSampler` does.
+the same gathered flags, so it serves several hosts as `sampler.MeshSampler` does. The programs
+are traced under the mesh, as the fixed sampler's are: a decode step on an expert axis runs each
+device's own experts (`moe.moe_mlp`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import time
@@ -689,6 +692,30 @@ def _spread_over(spread, tree):
   return tree if spread is None else jax.lax.with_sharding_constraint(tree, spread)
 
 
+def _under_mesh(spread):
+  """The ambient mesh of a device program traced with `spread` (its mesh; none without one),
+  as the fixed sampler traces its program (`sampler.jit_sampler`): model code that reads it
+  then runs as there, e.g. a decode step on an expert axis runs each device's own experts
+  (`moe.moe_mlp`) instead of gathering every layer's experts at every step."""
+  if spread is None:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(spread.mesh.abstract_mesh)
+
+
+def _traced_on_mesh(index: int):
+  """A device program traced under the mesh of its sharding argument `index` (`_under_mesh`)."""
+
+  def wrap(fn):
+    @functools.wraps(fn)
+    def traced(*args):
+      with _under_mesh(args[index]):
+        return fn(*args)
+
+    return traced
+
+  return wrap
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _init_state(cfg, R, S, num_pages, page_size, key_shape, spread) -> SlotState:
   """R groups' empty states, S slots and a pool of num_pages pages each, stacked."""
@@ -738,6 +765,7 @@ def _init_outputs(cfg, sp, rows, whole) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(4,), donate_argnums=(0,))
+@_traced_on_mesh(4)
 def _write(outputs, records, rows, cols, whole) -> dict[str, jax.Array]:
   """The output rows with records [R, B, T, ...] written at rows [R, B] (out of range: none) and
   response indices cols [R, B, T] (out of range: not written)."""
@@ -773,6 +801,7 @@ def _over_groups(fn, spread, impl, *args):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+@_traced_on_mesh(2)
 def _admit(graphdef, sp, spread, shifted, params, state, *inputs):
   """`_admit_group` in every group at once (inputs with a leading group axis): (state, records
   [R, m G, 1, ...], cols [R, m G, 1])."""
@@ -829,6 +858,7 @@ def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, s
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(7,))
+@_traced_on_mesh(3)
 def _decode(graphdef, sp, chunk, spread, impl, unroll, params, state, slots, table):
   """Up to `chunk` decode steps of every group's running rows (a leading group axis), gathered
   from their slots (slots [R, B]: out-of-range ids are no row) into a batch of B, then written
