@@ -290,9 +290,11 @@ def _rollout_section() -> ml_collections.ConfigDict:
   # frac_beyond is the share of tokens with |log(pi_old / mu)| > mismatch_threshold.
   # How rollouts and evaluations decode: "fixed" batches, "continuous" batching over a paged KV
   # cache (generation/continuous.py; on a mesh split over the batch shards): `slots` responses
-  # decode at once (0: every row of a rollout), pages of `page_size` cache slots, a pool of
-  # `kv_pages` pages (0: sized by the engine, or from `kv_memory_gib` GiB when > 0, as serving
-  # engines size theirs), `decode_chunk` steps per compiled call.
+  # decode at once (0: every row of a rollout, or with the pool given by memory as many as it
+  # holds at the expected footprint), pages of `page_size` cache slots, a pool of `kv_pages`
+  # pages (0: sized by the engine, or from `kv_memory_gib` GiB when > 0, or from
+  # `kv_memory_fraction` of the sampler devices' free memory when > 0, as serving engines size
+  # theirs; at most one of the three), `decode_chunk` steps per compiled call.
   # cache, or "auto": continuous from continuous.AUTO_MIN_NEW_TOKENS max_new_tokens on.
   # `paged_attention`: how its decode steps attend over the pages: "gather" (any backend),
   # "pallas" (JAX's TPU paged-attention kernel: a bfloat16 cache, run per batch shard; local
@@ -302,6 +304,7 @@ def _rollout_section() -> ml_collections.ConfigDict:
   s.page_size = 16
   s.kv_pages = 0
   s.kv_memory_gib = 0.0
+  s.kv_memory_fraction = 0.0
   s.decode_chunk = 32
   s.paged_attention = "auto"
   s.correction = "none"
@@ -803,6 +806,7 @@ def _rollout_rules() -> tuple[tuple[str, Any], ...]:
     ("rollout.page_size", Int(1)),
     ("rollout.kv_pages", Int(0)),
     ("rollout.kv_memory_gib", Range(0)),
+    ("rollout.kv_memory_fraction", Range(0, 1, note=" (0 = off: the pool's share of free memory)")),
     ("rollout.decode_chunk", Int(1)),
     ("rollout.paged_attention", OneOf(paged.ATTENTION)),
     ("rollout.correction", OneOf(correction.CORRECTIONS)),
@@ -1019,10 +1023,12 @@ def _combination_problems(c: ml_collections.ConfigDict) -> list[str]:
 
   problems = []
   r = c.rollout
-  if r.get("kv_pages") and r.get("kv_memory_gib"):
+  pool = [f"rollout.{k}={r[k]}" for k in ("kv_pages", "kv_memory_gib", "kv_memory_fraction")
+          if r.get(k)]  # fmt: skip
+  if len(pool) > 1:
     problems.append(
-      f"rollout.kv_pages={r.kv_pages} and rollout.kv_memory_gib={r.kv_memory_gib}: the pool is "
-      "sized by one of them (set the other to 0)"
+      f"{' and '.join(pool)}: the pool is sized by one of them (set the other"
+      f"{'s' if len(pool) > 2 else ''} to 0)"
     )
   if r.get("paged_attention") == "pallas" and c.model.dtype != "bfloat16":
     problems.append(

@@ -375,3 +375,93 @@ def test_pool_sized_from_memory(policy):
   config.rollout.kv_pages = 100
   with pytest.raises(errors.ConfigError, match="the pool is sized by one of them"):
     config_lib.validate(config)
+
+
+def test_slots_follow_a_pool_given_by_memory(policy, monkeypatch):
+  """With the pool given by memory (kv_memory_gib, or kv_memory_fraction of the devices' free
+  memory) and slots=0, each call takes as many slots as the pool holds rows at the expected
+  footprint (1 reserved page, a prompt's pages per G rows, a third of max_new_tokens and two
+  chunks per row), at most the call's rows, times the batch shards: every row is served, the
+  same rows as with a set slot count, and rollout/engine/slots says how many it took. A backend
+  without memory figures (CPU) is told to use kv_memory_gib."""
+  from gppo_jax import config_lib, errors
+  from gppo_jax.models import partitioning, sharding
+  from gppo_jax.trainer import experiment
+
+  cfg, graphdef, params, prompts = policy
+  sp = sampler.SamplingParams(max_new_tokens=N, stop_ids=(1,), pad_id=0)
+  ps, chunk, P, rows = 4, 3, 12, len(prompts) * G
+  page = paged.pool_bytes(cfg, 1, ps)
+  footprint = lambda n: 1 + -(-n // min(G, n)) * (P // ps) + n * -(-(N // 3 + 2 * chunk) // ps)
+  fits = lambda pages: max(n for n in range(1, rows + 1) if footprint(n) <= pages)
+  pages = 40
+  assert 1 < fits(pages) < rows  # served in waves
+  tokens, mask = sampler.left_pad([p for p in prompts for _ in range(G)], pad_id=0, length=P)
+  key = jax.random.key(7)
+  sized = lambda **memory: continuous.EngineConfig(slots=0, page_size=ps, chunk=chunk, **memory)
+  call = continuous.EngineSampler(graphdef, sized(kv_memory_gib=pages * page / 2**30))
+  got = call(params, tokens, mask, key, sp, group_size=G)
+  metrics = call.metrics()
+  assert metrics["rollout/engine/slots"] == fits(pages) == 7
+  assert metrics["rollout/engine/pool_pages"] == pages
+  fixed_slots = continuous.EngineSampler(
+    graphdef, continuous.EngineConfig(slots=4, page_size=ps, chunk=chunk)
+  )
+  want = fixed_slots(params, tokens, mask, key, sp, group_size=G)
+  assert got.tokens.shape == (rows, N) and got.lengths.min() >= 1
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  # A pool for every row: as many slots as rows, no more.
+  big = continuous.EngineSampler(graphdef, sized(kv_memory_gib=1000 * page / 2**30))
+  assert big.slots_for(params, sp, P, G, rows) == rows
+
+  # kv_memory_fraction: a share of the least free memory of the sampler's devices, the same on
+  # every batch shard (faked: CPU devices report none).
+  in_use = {d.id: (20 + 10 * d.id) * page for d in jax.devices()}
+  fake = lambda device: {"bytes_limit": 100 * page, "bytes_in_use": in_use[device.id]}
+  with monkeypatch.context() as patch:
+    patch.setattr(type(jax.devices()[0]), "memory_stats", fake)
+    assert continuous.free_memory_bytes(0.5) == 80 * page
+    call = continuous.EngineSampler(graphdef, sized(kv_memory_fraction=0.5))
+    got = call(params, tokens, mask, key, sp, group_size=G)  # 0.5 x 80 pages: as above
+    assert call.free_bytes == 80 * page
+    sized_as_before = ("rollout/engine/slots", "rollout/engine/pool_pages")
+    assert all(call.metrics()[k] == metrics[k] for k in sized_as_before)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    mesh = sharding.make_mesh({"data": 2}, jax.devices()[:2])  # device 1: 70 pages free
+    on_mesh = continuous.EngineSampler(graphdef, sized(kv_memory_fraction=0.5), mesh)
+    assert on_mesh.slots_for(params, sp, P, G, rows) == 2 * fits(35)
+    engine = continuous.ContinuousSampler(
+      graphdef, sp, continuous.EngineConfig(slots=2, page_size=ps, kv_memory_fraction=0.5), mesh
+    )
+    assert engine.pool_pages(P, G, model_cfg=cfg) == 35
+  with pytest.raises(errors.ConfigError, match=r"rollout.kv_memory_fraction=0.5: the cpu devices "
+                     r"report no memory figures.*use.*rollout.kv_memory_gib"):  # fmt: skip
+    continuous.EngineSampler(graphdef, sized(kv_memory_fraction=0.5))
+
+  # The trainer's config: slots=0 with the pool given by memory leaves the slots to the pool;
+  # one way of sizing the pool at a time.
+  config = config_lib.base()
+  config.rollout.engine = "continuous"
+  config.rollout.kv_memory_gib = 0.5
+  config_lib.validate(config)
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  shardings = partitioning.state_shardings(params, mesh)
+  assert experiment.sample_fn(config, graphdef, shardings, mesh).engine.slots == 0
+  config.rollout.kv_memory_gib = 0.0
+  config.rollout.kv_memory_fraction = 0.9
+  config_lib.validate(config)
+  with pytest.raises(errors.ConfigError, match="rollout.kv_memory_fraction=0.9: the cpu"):
+    experiment.sample_fn(config, graphdef, shardings, mesh)
+  config.rollout.kv_memory_gib = 0.5
+  with pytest.raises(errors.ConfigError, match="rollout.kv_memory_gib=0.5 and rollout."
+                     r"kv_memory_fraction=0.9: the pool is sized by one of them"):  # fmt: skip
+    config_lib.validate(config)
+  config.rollout.kv_memory_gib, config.rollout.kv_pages = 0.0, 100
+  with pytest.raises(errors.ConfigError, match="rollout.kv_pages=100 and rollout."
+                     r"kv_memory_fraction=0.9: the pool is sized by one of them"):  # fmt: skip
+    config_lib.validate(config)
+  with pytest.raises(ValueError, match="give one of num_pages, kv_memory_gib, kv_memory_fraction"):
+    continuous.EngineConfig(kv_memory_gib=1.0, kv_memory_fraction=0.5)
+  with pytest.raises(ValueError, match=r"slots must be >= 1, got 0 \(0: from a pool given by"):
+    continuous.EngineConfig(slots=0, num_pages=10)

@@ -3,6 +3,7 @@ model (logits, load-balancing loss, export round trip, the sampler), the two dis
 replay, expert parallelism on the 8 simulated devices."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -201,9 +202,10 @@ def test_sampler_logprobs_and_routes_match_the_trainer(saved):
   assert outs[0].expert_ids.shape == (2, 8, 3, K) and (outs[0].expert_ids[:, :, 1] == -1).all()
 
 
-def test_paged_engine_matches_the_fixed_batch_sampler(saved):
+def test_paged_engine_matches_the_fixed_batch_sampler(saved, monkeypatch):
   """Continuous batching over the paged cache (each layer's kind picked in its scan) draws what
-  the fixed-batch sampler draws."""
+  the fixed-batch sampler draws, on one device and on an expert mesh, where its decode steps
+  keep each device's experts."""
   from gppo_jax.generation import continuous
 
   _, path = saved
@@ -225,17 +227,28 @@ def test_paged_engine_matches_the_fixed_batch_sampler(saved):
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
   np.testing.assert_array_equal(got.expert_ids, want.expert_ids)
-  # On a mesh with an expert axis: one group of slots per batch shard (data x expert).
+  # On a mesh with an expert axis: one group of slots per batch shard (data x expert). The
+  # engine's programs run under the mesh, so a decode step runs each device's own experts, as
+  # the fixed sampler's does: its program gathers no layer's whole experts.
   mesh = sharding.make_mesh({"data": 2, "expert": 2}, jax.devices()[:4])
   sharded = jax.device_put(params, partitioning.state_shardings(params, mesh))
   engine = continuous.ContinuousSampler(
     graphdef, sp, continuous.EngineConfig(slots=8, page_size=4, chunk=3), mesh
   )
+  decode, calls = continuous._decode, []
+  record = lambda *args: calls.append(args) or decode(*args)
+  monkeypatch.setattr(continuous, "_decode", record)
   got = engine(sharded, prompts, key, group_size=2)
   assert engine.groups == 4
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
   np.testing.assert_array_equal(got.expert_ids, want.expert_ids)
+  program = decode.lower(*calls[-1]).compile().as_text()
+  gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", program)
+  D, F = HF_CONFIG["hidden_size"], HF_CONFIG["moe_intermediate_size"]
+  whole = {f"{E},{D},{F}", f"{E},{F},{D}"}  # a layer's experts, stacked
+  # (It gathers the step's few tokens over the expert axis instead: what the pattern reads.)
+  assert gathered and not whole & set(gathered), gathered
 
 
 @functools.partial(nnx.jit, static_argnums=3)

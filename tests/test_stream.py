@@ -16,7 +16,7 @@ from conftest import load_config
 from flax import nnx
 
 from gppo_jax import config_lib, errors, train
-from gppo_jax.generation import continuous, sampler, stream
+from gppo_jax.generation import continuous, paged, sampler, stream
 from gppo_jax.models import architectures
 from gppo_jax.models import model as model_lib
 from gppo_jax.trainer import stream_rollout
@@ -77,7 +77,7 @@ def _drain(engine, prompts, ids, *, swap=None, limits=None):
   return out
 
 
-@pytest.mark.parametrize("slots,pages,capacity", [(4, None, 3), (6, 10, 4)])
+@pytest.mark.parametrize("slots,pages,capacity", [(4, None, 3), (6, 10, 4), (0, "memory", 4)])
 def test_stream_rows_equal_the_batch_engine(policy, slots, pages, capacity):
   """A ring of `capacity` prompts, reused as groups finish, with or without a pool small enough
   to preempt, rows with their own length limits: every prompt's rows are the batch engine's
@@ -86,8 +86,12 @@ def test_stream_rows_equal_the_batch_engine(policy, slots, pages, capacity):
   graphdef, params, _, prompts = policy
   ids = list(range(100, 100 + len(prompts)))
   limits = np.random.default_rng(slots).integers(1, N + 1, len(prompts) * G).astype(np.int32)
+  sizes = dict(num_pages=pages)
+  if pages == "memory":  # slots 0: as many as a pool of 30 pages holds
+    page = paged.pool_bytes(nnx.merge(graphdef, params).cfg, 1, 4)
+    sizes = dict(kv_memory_gib=30 * page / 2**30)
   engine = stream.StreamEngine(
-    graphdef, SP, continuous.EngineConfig(slots=slots, page_size=4, chunk=3, num_pages=pages),
+    graphdef, SP, continuous.EngineConfig(slots=slots, page_size=4, chunk=3, **sizes),
     group_size=G, capacity=capacity, prompt_len=12, key=KEY,
   )  # fmt: skip
   engine.set_params(params, version=0)
@@ -103,7 +107,9 @@ def test_stream_rows_equal_the_batch_engine(policy, slots, pages, capacity):
     assert (v[got[pid].out.mask] == 0).all() and (v[~got[pid].out.mask] == -1).all()
   st = engine.stats()
   assert st["row_steps"] + st["admitted_rows"] == sum(g.out.lengths.sum() for g in got.values())
-  if pages is not None:
+  if pages == "memory":
+    assert 1 < st["slots"] < capacity * G  # what 30 pages hold at the expected footprint
+  elif pages is not None:
     assert st.get("preempted", 0) > 0
 
 

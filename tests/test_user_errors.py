@@ -105,6 +105,8 @@ BAD_VALUES = [
   ("rollout.top_p", 1.5),
   ("rollout.top_k", -1),
   ("rollout.num_topk", -1),
+  ("rollout.kv_memory_fraction", 1.5),  # a share of the free memory
+  ("rollout.kv_memory_fraction", -0.1),
   ("loss.delta_low", -0.1),
   ("loss.delta_high", NAN),
   ("loss.ratio_cap", 0.5),

@@ -37,12 +37,15 @@ On a mesh the slots split into one group per batch shard (data x fsdp): each gro
 pages of its own, on its shard's devices, and the device programs run the groups side by side (a
 leading shard axis, vmapped), so a slot only ever reads pages held where it runs. A prompt's
 samples share one group (and its prompt pages). Every process runs the same host bookkeeping on
-the same gathered flags, so it serves several hosts as `sampler.MeshSampler` does.
+the same gathered flags, so it serves several hosts as `sampler.MeshSampler` does. The programs
+are traced under the mesh, as the fixed sampler's are: a decode step on an expert axis runs each
+device's own experts (`moe.moe_mlp`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import time
@@ -54,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gppo_jax import errors
 from gppo_jax.generation import paged
 from gppo_jax.generation import sampler as sampler_lib
 from gppo_jax.models import model as model_lib
@@ -79,13 +83,55 @@ def engine_for(engine: str, max_new_tokens: int) -> str:
   return engine
 
 
+def _sampler_devices(mesh: jax.sharding.Mesh | None) -> list:
+  """This process's devices of the sampler: the mesh's, or the default device."""
+  if mesh is None:
+    return jax.local_devices()[:1]
+  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _local_free_bytes(fraction: float, mesh: jax.sharding.Mesh | None) -> int:
+  """The least free memory (bytes_limit - bytes_in_use, `Device.memory_stats`) of this process's
+  sampler devices; a ConfigError where the backend reports none (CPU)."""
+  free = []
+  for device in _sampler_devices(mesh):
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats or "bytes_in_use" not in stats:
+      raise errors.ConfigError(
+        f"rollout.kv_memory_fraction={fraction}: the {device.platform} devices report no memory "
+        "figures (device.memory_stats() has no bytes_limit / bytes_in_use), so there is no free "
+        "memory to take a share of; size the pool in GiB with rollout.kv_memory_gib instead"
+      )
+    free.append(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
+  return min(free)
+
+
+def free_memory_bytes(fraction: float, mesh: jax.sharding.Mesh | None = None) -> int:
+  """The bytes EngineConfig.kv_memory_fraction (`fraction`, named in errors) takes its share of:
+  the least free memory of any of the sampler's devices (the mesh's over every process, or the
+  default device) as they are now, so call it with the parameters placed. Each shard's pool
+  lives on its own devices, so the fraction of this is each shard's pool."""
+  least = _local_free_bytes(fraction, mesh)
+  if jax.process_count() > 1:  # every process sizes the same pools (it runs the same scheduler)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    least = int(np.min(multihost_utils.process_allgather(np.int64(least))))
+  return least
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """slots: the most responses decoding at once. page_size: cache slots per page. num_pages: the
-  pool's pages (page 0 is reserved); None sizes it from kv_memory_gib, or else for every slot
-  holding its prompt's share and a third of max_new_tokens (rollouts whose responses run longer
-  on average preempt rows, counted in `ContinuousSampler.stats`: then raise it).
+  """slots: the most responses decoding at once; 0 (with the pool given by memory, through
+  `EngineSampler` only): as many as the pool holds at the expected footprint
+  (`EngineSampler.slots_for`).
+  page_size: cache slots per page. num_pages: the pool's pages (page 0 is reserved); None sizes
+  it from kv_memory_gib or kv_memory_fraction, or else for every slot holding its prompt's share
+  and a third of max_new_tokens (rollouts whose responses run longer on average preempt rows,
+  counted in `ContinuousSampler.stats`: then raise it).
   kv_memory_gib: the pool's size in GiB (all shards together), as serving engines size theirs.
+  kv_memory_fraction: the pool takes this share of the sampler devices' free memory, measured
+  at the first call with the parameters placed (`free_memory_bytes`), as vLLM's
+  gpu_memory_utilization sizes its cache; on every batch shard alike.
   chunk: decode steps per call. prefill_rows: the most prompts prefilled in one call.
   attention: how decode steps attend over the pages (`paged.ATTENTION`, `paged.resolve_attention`):
   "gather", "pallas" (JAX's TPU kernel) or "auto" (pallas on TPU where it is exact and fits).
@@ -99,11 +145,15 @@ class EngineConfig:
   attention: str = "auto"
   kv_memory_gib: float | None = None
   unroll: bool | None = None
+  kv_memory_fraction: float | None = None
 
   def __post_init__(self):
     for name in ("slots", "page_size", "chunk", "prefill_rows"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+      if getattr(self, name) < 1 and not (name == "slots" and self.slots == 0 and self.by_memory):
+        raise ValueError(
+          f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}"
+          + (" (0: from a pool given by kv_memory_gib or kv_memory_fraction)" * (name == "slots"))
+        )
     if self.attention not in paged.ATTENTION:
       raise ValueError(
         f"EngineConfig.attention={self.attention!r}; valid: {', '.join(paged.ATTENTION)}"
@@ -116,6 +166,16 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.kv_memory_gib must be > 0, got {self.kv_memory_gib}")
     if self.kv_memory_gib is not None and self.num_pages is not None:
       raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
+    f = self.kv_memory_fraction
+    if f is not None and not 0 < f <= 1:
+      raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {f}")
+    if f is not None and (self.kv_memory_gib is not None or self.num_pages is not None):
+      raise ValueError("EngineConfig: give one of num_pages, kv_memory_gib, kv_memory_fraction")
+
+  @property
+  def by_memory(self) -> bool:
+    """Whether the pool is sized from memory (kv_memory_gib or kv_memory_fraction)."""
+    return self.kv_memory_gib is not None or self.kv_memory_fraction is not None
 
 
 @flax.struct.dataclass
@@ -228,7 +288,8 @@ class ContinuousSampler:
   pad_id after the stop token, like `sampler.SampleOutput`. On the default device, or with `mesh`
   on its batch shards (data x fsdp: `slots` must be a multiple of their count), the parameters
   as they come (e.g. the trainer's shardings). `stats` holds the last call's counters
-  (`_Rollout.stats`).
+  (`_Rollout.stats`). free_bytes: what EngineConfig.kv_memory_fraction takes its share of
+  (`free_memory_bytes`; None: measured at the first call).
   """
 
   def __init__(
@@ -237,11 +298,20 @@ class ContinuousSampler:
     sampling: sampler_lib.SamplingParams,
     engine: EngineConfig = EngineConfig(),
     mesh: jax.sharding.Mesh | None = None,
+    free_bytes: int | None = None,
   ):
     self.graphdef = graphdef
     self.sampling = sampling
     self.engine = engine
     self.mesh = mesh
+    if engine.slots < 1:
+      raise ValueError(
+        f"ContinuousSampler needs EngineConfig.slots >= 1, got {engine.slots} (slots from the "
+        "pool, 0, are sized per call by EngineSampler)"
+      )
+    self.free_bytes = free_bytes
+    if engine.kv_memory_fraction is not None and free_bytes is None:
+      _local_free_bytes(engine.kv_memory_fraction, mesh)  # a backend without figures: now
     self.groups = sharding.batch_shards(mesh) if mesh is not None else 1
     if engine.slots % self.groups:
       raise ValueError(
@@ -279,19 +349,15 @@ class ContinuousSampler:
   def pool_pages(self, prompt_len: int, group_size: int, attention: str = "gather",
                  model_cfg=None) -> int:  # fmt: skip
     """Pages of each group's pool: EngineConfig.num_pages split over the groups, or
-    kv_memory_gib's worth (model_cfg needed), or enough for each slot's prompt share, a third of
-    max_new_tokens and the two chunks it may run ahead (with attention "pallas", one more page
-    per slot: its copy of its prompt's partial last page), and never fewer than one whole row
-    needs."""
+    kv_memory_gib's or kv_memory_fraction's worth (model_cfg needed), or the expected footprint
+    of its slots (`expected_pages`), and never fewer than one whole row needs."""
     e, n = self.engine, self.sampling.max_new_tokens
     row = _pages(prompt_len + n - 1, e.page_size)
-    if e.num_pages is not None or e.kv_memory_gib is not None:
+    if e.num_pages is not None or e.by_memory:
       if e.num_pages is not None:
         pages, what = 1 + (e.num_pages - 1) // self.groups, f"EngineConfig.num_pages={e.num_pages}"
       else:
-        page = paged.pool_bytes(model_cfg, 1, e.page_size)
-        pages = int(e.kv_memory_gib * 2**30 // page) // self.groups
-        what = f"EngineConfig.kv_memory_gib={e.kv_memory_gib} ({pages * self.groups} pages)"
+        pages, what = self._memory_pages(model_cfg)
       if pages - 1 < row:
         raise ValueError(
           f"{what} holds fewer than the {row} pages one response of prompt {prompt_len} + {n} "
@@ -299,11 +365,36 @@ class ContinuousSampler:
           + (f" in each of the {self.groups} shards' pools" if self.groups > 1 else "")
         )
       return pages
-    S = self.per_group
-    group = min(group_size, S)
-    prompts = _pages(S, group) * (prompt_len // e.page_size)
+    return max(1 + row, self.expected_pages(self.per_group, prompt_len, group_size, attention))
+
+  def expected_pages(self, slots: int, prompt_len: int, group_size: int,
+                     attention: str = "gather") -> int:  # fmt: skip
+    """The pages (page 0 included) a group's pool needs for `slots` rows at the footprint a
+    rollout is expected to have: each prompt's pages once for the samples that share them on
+    the group, and each row's own pages for a third of max_new_tokens and the two chunks it may
+    run ahead (with attention "pallas", one more page: its copy of its prompt's partial last
+    page)."""
+    e, n = self.engine, self.sampling.max_new_tokens
+    prompts = _pages(slots, min(group_size, slots)) * (prompt_len // e.page_size)
     own = _pages(n // 3 + 2 * e.chunk, e.page_size) + (attention == "pallas")
-    return 1 + max(row, prompts + S * own)
+    return 1 + prompts + slots * own
+
+  def _memory_pages(self, model_cfg) -> tuple[int, str]:
+    """(pages of each group's pool, what gave them) from EngineConfig.kv_memory_gib (all shards
+    together) or kv_memory_fraction (of each device's free memory, on every shard)."""
+    e = self.engine
+    if e.kv_memory_gib is not None:
+      total, what = e.kv_memory_gib * 2**30, f"EngineConfig.kv_memory_gib={e.kv_memory_gib}"
+    else:
+      if self.free_bytes is None:
+        self.free_bytes = free_memory_bytes(e.kv_memory_fraction, self.mesh)
+      total = e.kv_memory_fraction * self.free_bytes * self.groups
+      what = (
+        f"EngineConfig.kv_memory_fraction={e.kv_memory_fraction} of "
+        f"{self.free_bytes / 2**30:.3g} GiB free per device"
+      )
+    pages = int(total // paged.pool_bytes(model_cfg, 1, e.page_size)) // self.groups
+    return pages, f"{what} ({pages * self.groups} pages)"
 
   def _put(self, tree, whole: bool = False):
     """Host arrays with a leading group axis -> device arrays placed like the state (each
@@ -458,6 +549,7 @@ class _Rollout:
     c = self.counters
     return dict(
       c,
+      slots=self.S,
       busy_share=c["row_steps"] / max(1, c["batch_steps"]),
       batch_sizes=sorted(self.sizes),
       num_pages=self.num_pages * self.R,
@@ -708,6 +800,30 @@ def _spread_over(spread, tree):
   return tree if spread is None else jax.lax.with_sharding_constraint(tree, spread)
 
 
+def _under_mesh(spread):
+  """The ambient mesh of a device program traced with `spread` (its mesh; none without one),
+  as the fixed sampler traces its program (`sampler.jit_sampler`): model code that reads it
+  then runs as there, e.g. a decode step on an expert axis runs each device's own experts
+  (`moe.moe_mlp`) instead of gathering every layer's experts at every step."""
+  if spread is None:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(spread.mesh.abstract_mesh)
+
+
+def _traced_on_mesh(index: int):
+  """A device program traced under the mesh of its sharding argument `index` (`_under_mesh`)."""
+
+  def wrap(fn):
+    @functools.wraps(fn)
+    def traced(*args):
+      with _under_mesh(args[index]):
+        return fn(*args)
+
+    return traced
+
+  return wrap
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _init_state(cfg, R, S, num_pages, page_size, key_shape, spread) -> SlotState:
   """R groups' empty states, S slots and a pool of num_pages pages each, stacked."""
@@ -757,6 +873,7 @@ def _init_outputs(cfg, sp, rows, whole) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(4,), donate_argnums=(0,))
+@_traced_on_mesh(4)
 def _write(outputs, records, rows, cols, whole) -> dict[str, jax.Array]:
   """The output rows with records [R, B, T, ...] written at rows [R, B] (out of range: none) and
   response indices cols [R, B, T] (out of range: not written)."""
@@ -792,6 +909,7 @@ def _over_groups(fn, spread, impl, *args):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+@_traced_on_mesh(2)
 def _admit(graphdef, sp, spread, shifted, params, state, *inputs):
   """`_admit_group` in every group at once (inputs with a leading group axis): (state, records
   [R, m G, 1, ...], cols [R, m G, 1])."""
@@ -848,6 +966,7 @@ def _admit_group(graphdef, sp, shifted, params, state, p_tok, p_mask, p_pages, s
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(7,))
+@_traced_on_mesh(3)
 def _decode(graphdef, sp, chunk, spread, impl, unroll, params, state, slots, table):
   """Up to `chunk` decode steps of every group's running rows (a leading group axis), gathered
   from their slots (slots [R, B]: out-of-range ids are no row) into a batch of B, then written
@@ -930,8 +1049,10 @@ class EngineSampler:
   and evaluations call with `rollout.engine="continuous"`.
 
   Takes the same left-padded rows (runs of `group_size` identical prompts); prompt b / G of the
-  call gets id b / G in the row keys. One engine (one compiled set) per sampling setting. With
-  `mesh`, on its batch shards (`ContinuousSampler`).
+  call gets id b / G in the row keys. One engine (one compiled set) per sampling setting and
+  slot count. With `mesh`, on its batch shards (`ContinuousSampler`). EngineConfig.slots=0 (the
+  pool given by memory): each call's slot count follows from the pool (`slots_for`);
+  kv_memory_fraction is measured once, at the first call, for every engine.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, engine: EngineConfig,
@@ -940,8 +1061,11 @@ class EngineSampler:
     self.engine = engine
     self.mesh = mesh
     self.batch_multiple = 1
-    self._engines: dict[sampler_lib.SamplingParams, ContinuousSampler] = {}
+    self._engines: dict[tuple[sampler_lib.SamplingParams, int], ContinuousSampler] = {}
     self.stats: dict[str, float] = {}
+    self.free_bytes: int | None = None  # what kv_memory_fraction takes its share of
+    if engine.kv_memory_fraction is not None:
+      _local_free_bytes(engine.kv_memory_fraction, mesh)  # a backend without figures: now
 
   def __call__(
     self,
@@ -959,12 +1083,18 @@ class EngineSampler:
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
     if group_size is None:
       group_size = sampler_lib.detect_group_size(tokens, mask)
-    if sampling not in self._engines:
-      self._engines[sampling] = ContinuousSampler(self.graphdef, sampling, self.engine, self.mesh)
-    engine = self._engines[sampling]
     G = group_size
     if G < 1 or len(tokens) % G:
       raise ValueError(f"group_size={G} must be >= 1 and divide the batch ({len(tokens)} rows)")
+    if self.engine.kv_memory_fraction is not None and self.free_bytes is None:
+      self.free_bytes = free_memory_bytes(self.engine.kv_memory_fraction, self.mesh)
+    slots = self.engine.slots or self.slots_for(params, sampling, tokens.shape[1], G, len(tokens))
+    if (sampling, slots) not in self._engines:
+      self._engines[sampling, slots] = ContinuousSampler(
+        self.graphdef, sampling, dataclasses.replace(self.engine, slots=slots), self.mesh,
+        self.free_bytes,
+      )  # fmt: skip
+    engine = self._engines[sampling, slots]
     runs = (tokens.reshape(-1, G, tokens.shape[1]), mask.reshape(-1, G, mask.shape[1]))
     if not all((x == x[:, :1]).all() for x in runs):
       raise ValueError(f"group_size={G}: rows do not come in runs of {G} identical prompts")
@@ -972,14 +1102,41 @@ class EngineSampler:
     out = engine(
       params, prompts, rng, group_size=G, prompt_len=tokens.shape[1], row_limits=row_limits
     )
-    self.stats = engine.stats
+    self.stats = dict(engine.stats, slots=slots)
     return out
+
+  def slots_for(self, params, sampling: sampler_lib.SamplingParams, prompt_len: int,
+                group_size: int, rows: int) -> int:  # fmt: skip
+    """The slot count for a call of `rows` rows when the pool is given by memory and slots=0:
+    as many slots per batch shard as its pool holds rows at the footprint a rollout is expected
+    to have (`ContinuousSampler.expected_pages`: its prompt's share, a third of max_new_tokens
+    and two chunks; the default pool's estimate, reversed), at most the call's rows split over
+    the shards, at least one, times the shards. It assumes responses a third of max_new_tokens
+    long on average: longer ones preempt rows (`rollout/engine/preempted`), shorter ones leave
+    pages idle (`rollout/engine/peak_pages`)."""
+    cfg = nnx.merge(self.graphdef, params).cfg
+    # The slot count does not change a pool given by memory: size it on a probe of one slot
+    # per shard (which also says when the pool holds no whole row).
+    shards = sharding.batch_shards(self.mesh) if self.mesh is not None else 1
+    probe = ContinuousSampler(
+      self.graphdef, sampling, dataclasses.replace(self.engine, slots=shards), self.mesh,
+      self.free_bytes,
+    )  # fmt: skip
+    ps = self.engine.page_size
+    P = _pages(prompt_len, ps) * ps  # as the engine pads prompts
+    impl = paged.resolve_attention(self.engine.attention, cfg, ps)
+    pages = probe.pool_pages(P, group_size, impl, cfg)
+    fits = [
+      n for n in range(1, -(-rows // shards) + 1)
+      if probe.expected_pages(n, P, group_size, impl) <= pages
+    ]  # fmt: skip
+    return max(fits, default=1) * shards
 
   def metrics(self) -> dict[str, float]:
     """The last call's engine figures as run metrics (`rollout/engine/*`, `_Rollout.stats`):
-    busy_share (rows decoded over rows computed), decode steps and calls, the smallest and
-    largest batch used and how many sizes, preempted and resumed rows, peak and pool pages,
-    the host's wait for a chunk's flags."""
+    the slots, busy_share (rows decoded over rows computed), decode steps and calls, the
+    smallest and largest batch used and how many sizes, preempted and resumed rows, peak and
+    pool pages, the host's wait for a chunk's flags."""
     return engine_metrics(self.stats)
 
 
@@ -989,6 +1146,7 @@ def engine_metrics(st: dict) -> dict[str, float]:
     return {}
   sizes = st["batch_sizes"] or [0]
   figures = dict(
+    slots=st["slots"],
     busy_share=st["busy_share"],
     decode_steps=st.get("decode_steps", 0),
     decode_calls=st.get("decode_calls", 0),

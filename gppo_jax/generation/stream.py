@@ -208,12 +208,15 @@ class StreamEngine:
 
   capacity: prompts held at once (admitted, waiting or finished and not yet handed out);
   prompt_len: the longest prompt, in tokens; key: the stream's key (row keys fold in each
-  prompt's id and sample id). With `mesh`, on its batch shards (`ContinuousSampler`)."""
+  prompt's id and sample id). With `mesh`, on its batch shards (`ContinuousSampler`).
+  EngineConfig.slots=0 (a pool given by memory): the slots the pool holds for the capacity's
+  rows (`EngineSampler.slots_for`), sized when the first params arrive."""
 
   def __init__(self, graphdef: nnx.GraphDef, sampling: sampler_lib.SamplingParams,
                engine: continuous.EngineConfig, *, group_size: int, capacity: int,
                prompt_len: int, key: jax.Array, mesh: jax.sharding.Mesh | None = None):  # fmt: skip
-    self._sampler = continuous.ContinuousSampler(graphdef, sampling, engine, mesh)
+    self._graphdef, self._sampling, self._engine, self._mesh = graphdef, sampling, engine, mesh
+    self._sampler: continuous.ContinuousSampler | None = None
     self.group_size = group_size
     self._args = (capacity, group_size, prompt_len, key)
     self._rollout: _StreamRollout | None = None
@@ -222,7 +225,16 @@ class StreamEngine:
 
   @property
   def attention(self) -> str | None:
-    return self._sampler.attention
+    return None if self._sampler is None else self._sampler.attention
+
+  def _make_sampler(self, params: nnx.State) -> continuous.ContinuousSampler:
+    engine, free = self._engine, None
+    if not engine.slots:  # the pool given by memory: as many slots as it holds
+      capacity, group_size, prompt_len, _ = self._args
+      sizer = continuous.EngineSampler(self._graphdef, engine, self._mesh)
+      slots = sizer.slots_for(params, self._sampling, prompt_len, group_size, capacity * group_size)
+      engine, free = dataclasses.replace(engine, slots=slots), sizer.free_bytes
+    return continuous.ContinuousSampler(self._graphdef, self._sampling, engine, self._mesh, free)
 
   def set_params(self, params: nnx.State, version: int) -> None:
     """Leaves `params` (policy version `version`) for the scheduler: the next prefill or chunk
@@ -230,7 +242,7 @@ class StreamEngine:
     rollout = self._rollout
     dtype = rollout.model_cfg.compute_dtype if rollout else None
     if dtype is None:
-      dtype = nnx.merge(self._sampler.graphdef, params).cfg.compute_dtype
+      dtype = nnx.merge(self._graphdef, params).cfg.compute_dtype
     cast = continuous.in_compute_dtype(params, dtype)
     with self._lock:
       self._new = (cast, int(version))
@@ -247,6 +259,7 @@ class StreamEngine:
         return
       self._new = None
     if self._rollout is None:
+      self._sampler = self._make_sampler(new[0])
       self._rollout = _StreamRollout(self._sampler, new[0], *self._args)
     self._rollout.params, self._rollout.version = new
 

@@ -453,7 +453,10 @@ def engine_config(config, mesh) -> continuous.EngineConfig:
   a slot for every row of a rollout."""
   r = config.rollout
   shards = sharding.batch_shards(mesh)
-  slots = r.slots or -(-r.prompts_per_iter * r.group_size // shards) * shards
+  by_memory = bool(r.get("kv_memory_gib") or r.get("kv_memory_fraction"))
+  # 0: every row of a rollout, or with the pool given by memory as many as it holds (each call's
+  # `continuous.EngineSampler.slots_for`).
+  slots = r.slots or (0 if by_memory else -(-r.prompts_per_iter * r.group_size // shards) * shards)
   if slots % shards:
     raise ConfigError(
       f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
@@ -462,4 +465,5 @@ def engine_config(config, mesh) -> continuous.EngineConfig:
   return continuous.EngineConfig(
     slots=slots, page_size=r.page_size, num_pages=r.kv_pages or None, chunk=r.decode_chunk,
     attention=r.get("paged_attention", "auto"), kv_memory_gib=r.get("kv_memory_gib") or None,
+    kv_memory_fraction=r.get("kv_memory_fraction") or None,
   )  # fmt: skip
