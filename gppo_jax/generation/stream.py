@@ -101,10 +101,14 @@ class _StreamRollout(continuous._Rollout):
         f"{len(prompts)} prompts added but only {len(self.free_places)} of the stream's "
         f"{self.capacity} places are free (add while StreamEngine.room allows)"
       )
-    for k, (tokens, pid) in enumerate(zip(prompts, prompt_ids, strict=True)):
-      tokens = [int(t) for t in tokens]
+    prompts = [[int(t) for t in p] for p in prompts]
+    for tokens, pid in zip(prompts, prompt_ids, strict=True):
       if not 0 < len(tokens) <= self.P:
         raise ValueError(f"prompt {pid} has {len(tokens)} tokens; the stream takes 1..{self.P}")
+    ids = np.repeat(np.asarray(prompt_ids, np.int64), G)
+    keys = sampler_lib.row_keys(self.key, ids, np.tile(np.arange(G), len(prompts)))
+    key_data = np.asarray(jax.random.key_data(keys))
+    for k, (tokens, pid) in enumerate(zip(prompts, prompt_ids, strict=True)):
       place = self.free_places.pop(0)
       rows = slice(place * G, (place + 1) * G)
       self.prompts[place], self.prompt_id[place] = tokens, int(pid)
@@ -112,8 +116,7 @@ class _StreamRollout(continuous._Rollout):
         x[0] for x in sampler_lib.left_pad([tokens], pad_id=self.sp.pad_id, length=self.P)
       )
       self.ends[place] = len(tokens) if self.shifted else self.P
-      keys = sampler_lib.row_keys(self.key, np.full(G, int(pid)), np.arange(G))
-      self.key_data[rows] = np.asarray(jax.random.key_data(keys))
+      self.key_data[rows] = key_data[k * G : (k + 1) * G]
       self.row_step[rows], self.finished[rows], self.versions[rows] = 0, False, -1
       self.limits[rows] = limits[k * G : (k + 1) * G]
       self._queue(place)
