@@ -178,16 +178,14 @@ class Run:
     return sharding.shard_batch(jax.tree.map(lambda x: x[self.rows], batch), self.mesh)
 
   def save(self, iteration: int, state, *, wait: bool = False) -> None:
-    meta = {
-      "iteration": iteration,
-      # With a rollout in flight, the environment's state before it drew: a resume redraws it.
-      "env": (self.ahead and self.ahead.env_state()) or self.env.state(),
-      "history": self.history,
-      "config": self.config.to_json_best_effort(),
-    }
+    meta = {"iteration": iteration}
     if self.stream is not None:  # the draws with prompts not yet taken, and what was taken
       meta["stream"] = self.stream.state()
-      meta["env"] = meta["stream"].pop("env")
+      meta["env"] = meta["stream"].pop("env")  # (the stream's thread draws from the env)
+    else:
+      # With a rollout in flight, the environment's state before it drew: a resume redraws it.
+      meta["env"] = (self.ahead and self.ahead.env_state()) or self.env.state()
+    meta.update(history=self.history, config=self.config.to_json_best_effort())
     extras = {"behaviour": self.behaviour} if self.behaviour else None
     # Without LoRA's frozen base: it is rebuilt from model.path or the warm start.
     checkpointing.save(self.mngr, iteration, state.saved(), meta, wait=wait, extras=extras)
