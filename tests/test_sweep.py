@@ -405,6 +405,28 @@ def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_diagnostics_under_equal_mask_pool_each_radius_apart(tmp_path):
+  """equal_mask gives each cell its own delta, and a run's diagnostics evaluate every estimator
+  at its own radius: the report pools a divergence's runs per radius, one table each."""
+  found = {
+    (cell, 1.0): {"delta": delta, "share": 0.01, "target": 0.01, "matched": True}
+    for cell, delta in (("tv_mc", 0.1), ("kl_mc", 0.02), ("kl_atomic", 0.08))
+  }
+  settings = dataclasses.replace(sweep.Settings(out=str(tmp_path)), calibration=found)
+  for seed in range(3):
+    for cell, share in (("kl_mc", 0.30), ("kl_atomic", 0.10)):
+      diag = {"mc/masked_frac": share, "mc/mask_agree": 0.9, "atomic/masked_frac": share / 2,
+              "atomic/mask_agree": 0.9, "exact/masked_frac": share}  # fmt: skip
+      run = sweep.Run(seed, sweep.EQUAL_MASK, 1.0, cell)
+      fake_run(tmp_path, run, [0.3, 0.5], 0.01, settings=settings, diag=diag)
+  text = report.results_markdown(report.collect(str(tmp_path)))
+  assert "KL, 6 runs:" not in text
+  small = text.index("KL at delta 0.02 (kl_mc), 3 runs:")
+  large = text.index("KL at delta 0.08 (kl_atomic), 3 runs:")
+  mc = lambda at: text[at:].split("| mc |", 1)[1].split("|")[0].strip()
+  assert mc(small) == "30.00%" and mc(large) == "10.00%"  # each radius's own runs
+
+
 def _table_line(text, cell):
   line = next(x for x in text.splitlines() if x.startswith(f"| {cell} |"))
   return [c.strip() for c in line.strip("|").split("|")]

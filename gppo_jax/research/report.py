@@ -667,7 +667,10 @@ def _diag_estimators(runs: Sequence[dict], field: str = "diag") -> list[str]:
 
 
 def _diag_pools(grows: Sequence[dict], field: str = "diag") -> list[tuple[str, list[dict]]]:
-  """(divergence, its finished grid runs with diagnostics) for each divergence that has any."""
+  """(label, finished grid runs with diagnostics) for each divergence that has any, one pool
+  per radius: every estimator of a run is evaluated at that run's radius, so runs at different
+  radii (`equal_mask` gives each cell its own) are not averaged together. The label is the
+  divergence, with the radius and its cells when the divergence's runs have more than one."""
   pools = []
   for div in DIVERGENCES:
     runs = [
@@ -675,9 +678,24 @@ def _diag_pools(grows: Sequence[dict], field: str = "diag") -> list[tuple[str, l
       for r in grows
       if r["cell"] in GRID and r["divergence"] == div and r["status"] == "done" and r[field]
     ]
-    if _diag_estimators(runs, field):
-      pools.append((div, runs))
+    if not _diag_estimators(runs, field):
+      continue
+    radii = sorted({(r["delta_low"], r["delta_high"]) for r in runs})
+    for lo, hi in radii:
+      here = [r for r in runs if (r["delta_low"], r["delta_high"]) == (lo, hi)]
+      label = div
+      if len(radii) > 1:
+        delta = f"{lo:.3g}" if lo == hi else f"{lo:.3g}/{hi:.3g}"
+        cells = ", ".join(sorted({r["cell"] for r in here}))
+        label = f"{div} at delta {delta} ({cells})"
+      pools.append((label, here))
   return pools
+
+
+def _upper_divergence(label: str) -> str:
+  """A pool's label with its divergence's name in capitals (`_diag_pools`)."""
+  div, _, rest = label.partition(" ")
+  return div.upper() + (" " + rest if rest else "")
 
 
 def _diag_mean(runs: Sequence[dict], key: str, field: str = "diag") -> float:
@@ -717,13 +735,15 @@ def _diagnostics_tables(grows: Sequence[dict], field: str) -> list[str]:
         "by the behaviour probability q of the sampled token, beside the mask of the exact "
         "divergence over the full vocabulary; `agrees` is how often the two decisions are the "
         "same, `over-masks` the share masked by the estimator but not by the exact divergence. "
-        "Each run's mean over its diagnostic steps, then the mean over runs of the divergence "
-        "(all its cells: every estimator is evaluated on the same tokens in each run).",
+        "Each run's mean over its diagnostic steps, then the mean over the runs of the "
+        "divergence at one radius (all its cells there: every estimator is evaluated on the "
+        "same tokens in each run; where each cell has its own radius, as under `equal_mask`, "
+        "a table per radius).",
       ]
     heads = [h for h, _ in DIAG_COLUMNS]
     lines += [
       "",
-      f"{div.upper()}, {len(runs)} run{'s' if len(runs) != 1 else ''}:",
+      f"{_upper_divergence(div)}, {len(runs)} run{'s' if len(runs) != 1 else ''}:",
       "",
       "| estimator | " + " | ".join(heads) + " |",
       "|---|" + "---|" * len(heads),
