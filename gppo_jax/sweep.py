@@ -21,7 +21,7 @@ Axes (their cross product; each run is one `python -m gppo_jax.train` subprocess
           its f_eps delta, so that all cells are compared at the same effective size (below).
           --scales multiplies the delta (under equal_tv and equal_mask: tv_mc's delta, and the
           others follow its TV radius or its masked share). Presets scale their own radii under
-          every rule; `none` has none.
+          every rule (under equal_mask also matched ones where possible, below); `none` has none.
   seeds   --seeds 0-7 or 0,3,5. Common random numbers: config.seed fixes the prompt order
           (envs.BuiltinEnv draws its k-th batch of prompts from rng([seed, k]); a dataset's
           PromptIterator shuffles with the seed), the rollout and update keys (fold_in(PRNGKey(
@@ -63,13 +63,13 @@ estimates, such as those of identical responses, cross a radius together) is not
 runs at the closest delta found and is marked NOT MATCHED in the table, in results.md (beside its
 delta and in the calibration table of its radius), runs.csv (calibration_matched) and the sweep's
 final summary (not_matched). --dry-run prints the cached radii (a cell not yet calibrated: a
-comment line). Presets keep their own radii (scaled by --scales) under equal_mask: their losses
-differ from the grid's in more than the radius (advantages, aggregations, the sequence ratio, no
-mask), and the calibration sizes the grid's cells only. The math would allow the same search for
-the presets that mask tokens at finite radii: ppo, grpo, dapo, dapo_kl, dppo, dppo_kl, ripo (one
-factor on both radii, which keeps dapo's clip-higher ratio) and gspo (whose mask drops whole
-responses, so its share counts every token of a masked response); never for cispo, which masks
-nothing (infinite radius; its cap bounds the weight instead): its share is 0 at any radius.
+comment line). Presets run at their own radii (scaled by --scales) under every rule and, under
+equal_mask, also at matched radii where that is possible (`matchable`): ppo, grpo, dapo,
+dapo_kl, ripo and gspo (one factor on both radii, which keeps dapo's clip-higher and gspo's 3:4
+ratio; gspo's mask drops whole responses, so its share counts every token of a masked response
+and may jump across the band), reported as "<preset> (matched)". Not dppo and dppo_kl (their
+Dr. GRPO advantages differ from the batch the calibration reruns) nor cispo, which masks nothing
+(infinite radius; its cap bounds the weight instead): its share is 0 at any radius.
 
 The default budget: the 12 cells and `none` x seeds 0-7 (104 runs, 8 paired seeds: what the
 comparisons in docs/verdict.md rest on) of the default config (configs/base.py: 400 iterations of
@@ -278,22 +278,38 @@ def expand(
   cells: Sequence[str], rules: Sequence[str], scales: Sequence[float], seeds: Sequence[int]
 ) -> list[Run]:
   """The runs of the cross product, seed-major (all cells of one seed before the next seed, so
-  that paired comparisons fill in early), without repeats: presets have one radius per scale and
-  `none` one in all."""
+  that paired comparisons fill in early), without repeats: presets have their own radius per
+  scale and, under equal_mask where their radius is finite (`matchable`), the matched one too;
+  `none` has one in all."""
   runs: list[Run] = []
   for seed in seeds:
     for scale in scales:
       for rule in rules:
         for cell in cells:
           if cell == NONE:
-            run = Run(seed, INF, 1.0, cell)
+            these = [Run(seed, INF, 1.0, cell)]
           elif cell in GRID:
-            run = Run(seed, rule, scale, cell)
+            these = [Run(seed, rule, scale, cell)]
           else:
-            run = Run(seed, OWN, scale, cell)
-          if run not in runs:
-            runs.append(run)
+            these = [Run(seed, OWN, scale, cell)]
+            if rule == EQUAL_MASK and matchable(cell):
+              these.append(Run(seed, EQUAL_MASK, scale, cell))
+          runs += [run for run in these if run not in runs]
   return runs
+
+
+def matchable(cell: str) -> bool:
+  """Whether a cell's trust region can be sized by equal_mask: every grid cell, and a preset with
+  finite radii (both scaled by one factor, keeping their ratio) whose runs differ from tv_mc's in
+  the loss only (the calibration reruns tv_mc's first update, advantages included, under each
+  cell's loss). Not cispo (an infinite radius: it caps weights instead of masking, so its share
+  is 0 at any setting), nor dppo / dppo_kl (Dr. GRPO's advantages, not the batch's)."""
+  if cell in GRID or cell == NONE:
+    return cell in GRID
+  preset = presets.get(cell)
+  low, high = preset.loss.radii
+  finite = 0 < low < math.inf and 0 < high < math.inf
+  return finite and preset.advantage == _base_config().advantage.name
 
 
 # --- Radii --------------------------------------------------------------------------------------
@@ -325,10 +341,6 @@ def radii(
   """(delta_low, delta_high) of a run; under equal_mask the delta of `calibration` (`calibrate`)."""
   if run.cell == NONE:
     return math.inf, math.inf
-  if run.cell not in GRID:
-    low, high = presets.get(run.cell).loss.radii
-    return run.scale * low, run.scale * high
-  divergence = run.cell.split("_")[0]
   if run.rule == EQUAL_MASK:
     found = (calibration or {}).get((run.cell, run.scale))
     if found is None:
@@ -336,7 +348,12 @@ def radii(
         f"{run.name}: the {EQUAL_MASK} delta of {run.cell} at scale {run.scale:g} is not "
         "calibrated (sweep.calibrate)"
       )
-    return float(found["delta"]), float(found["delta"])
+    low = float(found["delta"])
+    return low, float(found.get("delta_high", low))
+  if run.cell not in GRID:
+    low, high = presets.get(run.cell).loss.radii
+    return run.scale * low, run.scale * high
+  divergence = run.cell.split("_")[0]
   if run.rule == "f_eps":
     delta = run.scale * presets.default_delta(divergence, eps)
   else:
@@ -459,10 +476,11 @@ CALIBRATION_BATCHES = 1  # the rollout batches whose first updates it averages
 
 
 def calibration_needs(runs: Iterable[Run]) -> dict[float, list[str]]:
-  """{scale: the grid cells to calibrate} of the equal_mask runs, tv_mc (the target) first."""
+  """{scale: the cells to calibrate} of the equal_mask runs (grid cells and matchable presets),
+  tv_mc (the target) first."""
   need: dict[float, list[str]] = {}
   for run in runs:
-    if run.rule == EQUAL_MASK and run.cell in GRID:
+    if run.rule == EQUAL_MASK and matchable(run.cell):
       need.setdefault(run.scale, [])
       if run.cell not in need[run.scale]:
         need[run.scale].append(run.cell)
@@ -686,7 +704,9 @@ def _calibrate_cells(settings, todo, keys, entries, state, path, *, echo, target
       return objective.LossConfig.from_config(config.loss, max_len)
 
     def share_at(loss: objective.LossConfig) -> Callable[[float], float]:
-      return lambda d: first.metrics(loss.replace(delta_low=d, delta_high=d))[MASK_METRIC]
+      # A preset's two radii move together (GSPO's 1.5e-4 / 2e-4 keep their ratio).
+      ratio = loss.radii[1] / loss.radii[0]
+      return lambda d: first.metrics(loss.replace(delta_low=d, delta_high=d * ratio))[MASK_METRIC]
 
     for scale, cells in todo.items():
       entry = _calibration_entry(entries, keys[scale])
@@ -703,6 +723,8 @@ def _calibrate_cells(settings, todo, keys, entries, state, path, *, echo, target
           found = dict(delta=ref_delta, share=entry["target"], matched=True, evaluations=1)
         else:
           found = search_delta(share_at(loss), entry["target"], float(loss.delta_low))
+        if loss.radii[1] != loss.radii[0]:
+          found["delta_high"] = found["delta"] * loss.radii[1] / loss.radii[0]
         entry["cells"][cell] = {
           "cell": cell,
           "note": "",

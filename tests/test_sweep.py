@@ -849,6 +849,42 @@ def test_equal_mask_radii_match_tv_mcs_first_update_and_are_cached(tmp_path, mon
   assert sweep.cached_calibration(settings, {0.5: ["tv_binary"]}) == {("tv_binary", 0.5): binary}
 
 
+def test_a_preset_with_a_finite_radius_is_matched_too(tmp_path):
+  """Under equal_mask GSPO runs at its own radii and at matched ones (both scaled together,
+  keeping its 3:4 ratio), calibrated on the same first update; CISPO (an infinite radius: it
+  caps weights, masks nothing) only at its own; the report keeps the two GSPO rows apart."""
+  runs = sweep.expand(["tv_mc", "gspo", "cispo"], [sweep.EQUAL_MASK], [1.0], [0])
+  assert [(r.cell, r.rule) for r in runs] == [
+    ("tv_mc", sweep.EQUAL_MASK), ("gspo", sweep.OWN), ("gspo", sweep.EQUAL_MASK),
+    ("cispo", sweep.OWN),
+  ]  # fmt: skip
+  assert sweep.calibration_needs(runs) == {1.0: ["tv_mc", "gspo"]}
+  assert sweep.matchable("gspo") and sweep.matchable("dapo") and sweep.matchable("kl_atomic")
+  assert not any(map(sweep.matchable, ("cispo", "dppo", "none")))
+  settings = _settings(tmp_path, overrides=tuple(TINY_WARM))
+  found = sweep.calibrate(settings, {1.0: ["tv_mc", "gspo"]}, echo=lambda _: None)
+  gspo = found["gspo", 1.0]
+  assert gspo["evaluations"] >= 1 and gspo["target"] == found["tv_mc", 1.0]["share"]
+  assert gspo["delta_high"] == pytest.approx(gspo["delta"] * 4 / 3)
+  if gspo["matched"]:
+    assert abs(gspo["share"] - gspo["target"]) <= sweep.MASK_TOLERANCE * gspo["target"]
+  else:  # whole responses are masked at once: the share may jump across the band
+    assert gspo["note"]
+  s = dataclasses.replace(settings, calibration=found)
+  config = sweep.run_config(sweep.Run(0, sweep.EQUAL_MASK, 1.0, "gspo"), s)
+  assert (config.loss.delta_low, config.loss.delta_high) == (gspo["delta"], gspo["delta_high"])
+  assert config.loss.ratio_level == "sequence"
+  own = sweep.run_config(sweep.Run(0, sweep.OWN, 1.0, "gspo"), s)
+  assert (own.loss.delta_low, own.loss.delta_high) == (1.5e-4, 2e-4)
+  for run in runs:
+    fake_run(tmp_path, run, [0.3, 0.5], 0.01, settings=s)
+  text = report.results_markdown(report.collect(str(tmp_path)))
+  assert _table_line(text, "gspo")[1] == "0.00015 / 0.0002"
+  matched = _table_line(text, "gspo (matched)")[1]
+  assert matched.startswith(f"{gspo['delta']:.4g} / {gspo['delta_high']:.4g}")
+  assert matched.endswith("(**not matched**)") is not gspo["matched"]
+
+
 def test_an_unreachable_share_is_reported_and_the_cell_runs_at_the_closest_delta(tmp_path):
   """No trust region masks 90% of a first update's tokens (the first optimizer step masks none):
   the table and the sweep's results say so, and the run takes the closest delta found."""

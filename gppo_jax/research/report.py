@@ -145,9 +145,12 @@ def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
   ident = record.get("run") or {}
   loss = config.get("loss", {})
   nan = float("nan")
+  cell = ident.get("cell", "")
+  if ident.get("rule") == EQUAL_MASK and cell in presets.names():
+    cell = f"{cell} (matched)"  # beside the same preset at its own radius, in the same tables
   row: dict[str, Any] = {
     "run": os.path.basename(os.path.normpath(path)),
-    "cell": ident.get("cell", ""),
+    "cell": cell,
     "divergence": loss.get("divergence", ""),
     "estimator": loss.get("estimator", ""),
     "rule": ident.get("rule", ""),
