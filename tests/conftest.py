@@ -143,10 +143,11 @@ _set_up_warmstart_cache()
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops JAX's in-memory compiled programs after each test file. Each CPU executable keeps its
-  own LLVM code mappings, and one process running the whole suite (CI runs it without xdist)
-  otherwise ends past the kernel's limit on memory mappings (vm.max_map_count, 65530 by default),
-  where LLVM aborts with "Unable to allocate section memory". Programs a later file needs again
-  come back from the session's persistent compilation cache."""
+  own LLVM code mappings, and one process running many files (the whole suite as CI runs it, or
+  an xdist worker's share with `-n 2`) otherwise ends past the kernel's limit on memory mappings
+  (vm.max_map_count, 65530 by default), where LLVM aborts with "Unable to allocate section
+  memory". Programs a later file needs again come back from the session's persistent compilation
+  cache."""
   yield
   if "jax" in sys.modules:
     import gc
