@@ -295,11 +295,9 @@ def _stream(run: Run) -> stream_rollout.Stream:
     key=jax.random.fold_in(run.seed_key, stream_rollout.STREAM_KEY),
     mesh=run.sampler_mesh,
   )
-  mine = [d for d in run.sampler_mesh.devices.flat if d.process_index == jax.process_index()]
   return stream_rollout.Stream(
     config, run.env, engine, run.sampling, prompt_len=run.spec.prompt_len,
-    pad_id=run.sampling.pad_id, use_topk=run.spec.use_topk,
-    device=mine[0] if run.sampler_mesh is not run.mesh and mine else None,
+    pad_id=run.sampling.pad_id, use_topk=run.spec.use_topk, device=_sampler_device(run),
   )  # fmt: skip
 
 
@@ -432,12 +430,16 @@ def _sampler_key(run: Run, iteration: int) -> jax.Array:
   return jax.device_put(key, sharding.replicated(run.sampler_mesh))
 
 
+def _sampler_device(run: Run):
+  """A sampler device of this process where sampling has its own devices, else None."""
+  mine = [d for d in run.sampler_mesh.devices.flat if d.process_index == jax.process_index()]
+  return mine[0] if run.sampler_mesh is not run.mesh and mine else None
+
+
 def _on_sampler(run: Run):
   """The rollout's own small computations (advantages, key folds) on a sampler device."""
-  mine = [d for d in run.sampler_mesh.devices.flat if d.process_index == jax.process_index()]
-  if run.sampler_mesh is run.mesh or not mine:
-    return contextlib.nullcontext()
-  return jax.default_device(mine[0])
+  device = _sampler_device(run)
+  return contextlib.nullcontext() if device is None else jax.default_device(device)
 
 
 def _draw(run: Run, iteration: int, moved: async_rollout.Moved, key: jax.Array):

@@ -204,7 +204,7 @@ def collect(
     signals.append(has_signal(groups))  # per group: each round's once, one shape compiled
     if sum(int(s.sum()) for s in signals) >= need:
       break
-  metrics = _mean_rows(metric_rows)
+  metrics = mean_rows(metric_rows)
   for k in ("time/sample_s", "time/reward_s"):  # totals over the rounds, not means
     metrics[k] = float(sum(m[k] for m in metric_rows))
   metrics["rollout/rounds"] = float(len(rounds))
@@ -276,6 +276,7 @@ def assemble(
   return batch, metrics
 
 
-def _mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+  """Each metric's mean over the rows that have it."""
   keys = {k for row in rows for k in row}
   return {k: float(np.mean([row[k] for row in rows if k in row])) for k in sorted(keys)}

@@ -142,7 +142,7 @@ class Stream:
     wait = time.perf_counter() - t0
     with self._engine_lock:
       engine = continuous.engine_metrics(self.engine.stats())
-    metrics = _mean([g.metrics for g in kept])
+    metrics = rollout.mean_rows([g.metrics for g in kept])
     lag = np.concatenate(lags)
     metrics.update(engine)
     metrics.update(
@@ -322,8 +322,3 @@ class Stream:
       _Scored(g.prompt_id, groups.take(np.asarray([i])), g.versions, metrics, share)
       for i, g in enumerate(finished)
     ]
-
-
-def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
-  keys = {k for row in rows for k in row}
-  return {k: float(np.mean([row[k] for row in rows if k in row])) for k in sorted(keys)}
