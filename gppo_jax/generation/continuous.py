@@ -1102,7 +1102,7 @@ class EngineSampler:
     out = engine(
       params, prompts, rng, group_size=G, prompt_len=tokens.shape[1], row_limits=row_limits
     )
-    self.stats = dict(engine.stats, slots=slots)
+    self.stats = engine.stats
     return out
 
   def slots_for(self, params, sampling: sampler_lib.SamplingParams, prompt_len: int,
