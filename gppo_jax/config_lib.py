@@ -497,7 +497,9 @@ def _mesh_section() -> ml_collections.ConfigDict:
   s.expert = 1
   # Split device groups: the last `rollout_devices` devices sample (on their own mesh, with the
   # `mesh.rollout` axes) and the rest train; after each update the new parameters move to the
-  # sampler (async/sync_s, async/sync_gib). 0: one mesh for both (no parameter moves).
+  # sampler (async/sync_s, async/sync_gib). 0: one mesh for both (no parameter moves). On several
+  # processes each gives the last rollout_devices / processes of its devices to a sampler of its
+  # own, which samples its share of each rollout's prompts.
   s.rollout_devices = 0
   s.rollout = ml_collections.ConfigDict()
   s.rollout.data = -1

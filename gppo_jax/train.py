@@ -203,13 +203,19 @@ def _set_up(
     mngr = checkpointing.make_manager(checkpoint_dir, max_to_keep=config.checkpoint.keep)
     stack.callback(mngr.close)  # every exit path lets pending writes complete
   resuming = mngr is not None and mngr.latest_step() is not None
-  if jax.process_count() > 1 and (
-    config.rollout.get("mode", "sync") != "sync" or config.mesh.get("rollout_devices")
-  ):
+  mode = config.rollout.get("mode", "sync")
+  if jax.process_count() > 1 and mode == "stream":
     raise errors.ConfigError(
-      "rollout.mode='async' and mesh.rollout_devices > 0 run on one process for now: across "
-      "processes the rollout thread's and the update's collectives are not yet ordered alike on "
-      "every host (use rollout.mode='sync' and mesh.rollout_devices=0 on a multi-host run)"
+      "rollout.mode='stream' runs on one process for now: each host's stream would hand its "
+      "update other groups at other times (on a multi-host run use rollout.mode='async' with "
+      "mesh.rollout_devices > 0)"
+    )
+  if jax.process_count() > 1 and mode == "async" and not config.mesh.get("rollout_devices"):
+    raise errors.ConfigError(
+      f"rollout.mode='async' on {jax.process_count()} processes needs mesh.rollout_devices > 0: "
+      "a rollout on the trainer's mesh would run its collectives beside the update's, in an "
+      "order that may differ from host to host; with sampling devices of its own each host "
+      "samples its share alone"
     )
   mesh, sampler_mesh = sharding.make_meshes(config.mesh)
   # The KL penalty's reference is the initial policy, so a resume rebuilds it (deterministically).
@@ -249,6 +255,8 @@ def _set_up(
   sample_fn = experiment.sample_fn(config, graphdef, sampler_sh, sampler_mesh)
   # The continuous engine casts the policy to the compute dtype anyway: move it cast.
   dtype = model_cfg.compute_dtype if isinstance(sample_fn, continuous.EngineSampler) else None
+  if split and jax.process_count() > 1:  # each host samples its share on its own devices
+    sample_fn = async_rollout.HostShare(sample_fn)
   run = Run(
     config=config,
     workdir=workdir,

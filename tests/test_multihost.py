@@ -169,3 +169,72 @@ def test_two_processes_run_the_continuous_engine_as_one(tmp_path):
   assert b[1]["rollout/engine/decode_steps"] >= 1
   np.testing.assert_allclose(b[1]["loss/total"], a[1]["loss/total"], rtol=1e-4, atol=1e-6)
   assert "held-out greedy accuracy" in outs[0]
+
+
+def test_two_processes_sample_apart_and_update_together_in_async_mode(tmp_path):
+  """mesh.rollout_devices on two processes: each process samples its half of the prompts on its
+  own device beside the update (rollout.mode=async: no collective on the rollout thread) and the
+  halves are exchanged through the coordination service. With the continuous engine, whose rows
+  are keyed by prompt and sample, the rollouts and evaluations equal one process's synchronous
+  run with the same lag, and the updates (on a 2-device trainer mesh in both) agree to float
+  tolerance; the parameter moves are logged."""
+  common = (
+    "--config.iterations=3", "--config.eval.every=3", "--config.rollout.staleness=1",
+    "--config.rollout.engine=continuous", "--config.rollout.decode_chunk=4",
+    "--config.rollout.page_size=4",
+  )  # fmt: skip
+  one = _train(str(tmp_path / "one"), _env(2), *common)
+  split = ("--config.rollout.mode=async", "--config.mesh.rollout_devices=2")
+  outs = _two_processes(str(tmp_path / "two"), *common, *split)
+  out_one = one.communicate(timeout=900)[0]
+  assert one.returncode == 0, out_one[-4000:]
+  a, b = _metrics(str(tmp_path / "one")), _metrics(str(tmp_path / "two"))
+  assert [x["step"] for x in b] == [x["step"] for x in a] == [0, 1, 2, 3]
+  for x, y in zip(a[1:], b[1:], strict=True):
+    for key in ("reward/mean", "response/length_mean", "rollout/policy_version"):
+      assert y[key] == x[key], (key, x["step"], x[key], y[key])  # the same rollouts exactly
+    for key in ("loss/total", "optim/grad_norm", "div/estimate_mean"):
+      np.testing.assert_allclose(y[key], x[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert y["async/sync_gib"] > 0
+    # Each process's engine has slots for its half of the rows: it samples that half alone.
+    assert 2 * y["rollout/engine/slots"] == x["rollout/engine/slots"]
+  assert all("async/wait_s" in y for y in b[2:])  # iterations 2 and 3 were drawn ahead
+  assert b[3]["eval/accuracy"] == a[3]["eval/accuracy"]
+  assert "held-out greedy accuracy" in outs[0]
+  # Resumed, and stopped by a SIGTERM to process 1 alone during its first update (the rollout of
+  # the next iteration in flight): both finish iteration 4, save it and exit 0.
+  signal = [{"at": "update", "call": 1, "signals": ["SIGTERM"]}]
+  outs = _two_processes(
+    str(tmp_path / "two"), *common, *split, "--config.iterations=6", signals={1: signal}
+  )
+  for out in outs:
+    assert "preempted after iteration 4; rerun the same command to resume" in out, out[-3000:]
+  assert [x["step"] for x in _metrics(str(tmp_path / "two"))] == [0, 1, 2, 3, 4]
+  assert "4" in os.listdir(tmp_path / "two" / "checkpoints")
+
+
+def test_multihost_refuses_what_it_cannot_order(tmp_path):
+  """Streaming, an asynchronous rollout on the trainer's own mesh and sampling devices that do
+  not split evenly over the processes stop at set-up with a line that says why and what to use
+  (no hang)."""
+  for extra, says in (
+    (("--config.rollout.mode=stream",), "rollout.mode='stream' runs on one process"),
+    (
+      ("--config.rollout.mode=async", "--config.rollout.staleness=1"),
+      "needs mesh.rollout_devices > 0",
+    ),
+    (("--config.mesh.rollout_devices=1",), "give each process the same share"),
+  ):
+    port = _free_port()
+    procs = [
+      _train(
+        str(tmp_path / f"w{i}"),
+        _env(2, GPPO_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+             JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+        *extra,
+      )
+      for i in range(2)
+    ]  # fmt: skip
+    for p in procs:
+      out = p.communicate(timeout=600)[0]
+      assert p.returncode != 0 and says in out, out[-3000:]

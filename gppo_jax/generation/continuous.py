@@ -112,7 +112,8 @@ def free_memory_bytes(fraction: float, mesh: jax.sharding.Mesh | None = None) ->
   default device) as they are now, so call it with the parameters placed. Each shard's pool
   lives on its own devices, so the fraction of this is each shard's pool."""
   least = _local_free_bytes(fraction, mesh)
-  if jax.process_count() > 1:  # every process sizes the same pools (it runs the same scheduler)
+  # Every process of a mesh that spans several sizes the same pools (each runs the same scheduler).
+  if jax.process_count() > 1 and (mesh is None or sharding.spans_processes(mesh)):
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     least = int(np.min(multihost_utils.process_allgather(np.int64(least))))
@@ -1077,9 +1078,11 @@ class EngineSampler:
     *,
     group_size: int | None = None,
     row_limits: np.ndarray | None = None,
+    prompt_ids: Sequence[int] | None = None,
   ) -> sampler_lib.SampleOutput:
     """`MeshSampler`'s call; row_limits: int32 [rows], each row's own max_new_tokens (benchmarks
-    force long-tailed lengths with it)."""
+    force long-tailed lengths with it); prompt_ids: each prompt's id in the row keys (default
+    0, 1, ...: a share of a larger call passes its prompts' ids there, and draws their rows)."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
     if group_size is None:
       group_size = sampler_lib.detect_group_size(tokens, mask)
@@ -1100,8 +1103,9 @@ class EngineSampler:
       raise ValueError(f"group_size={G}: rows do not come in runs of {G} identical prompts")
     prompts = [row[m].tolist() for row, m in zip(tokens[::G], mask[::G], strict=True)]
     out = engine(
-      params, prompts, rng, group_size=G, prompt_len=tokens.shape[1], row_limits=row_limits
-    )
+      params, prompts, rng, group_size=G, prompt_len=tokens.shape[1], row_limits=row_limits,
+      prompt_ids=prompt_ids,
+    )  # fmt: skip
     self.stats = engine.stats
     return out
 

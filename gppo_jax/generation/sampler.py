@@ -695,7 +695,7 @@ class MeshSampler:
     prompt), whose prefill then runs once; None detects it from the prompts (`detect_group_size`).
     It is lowered to divide each batch shard's rows, so a group never spans two shards."""
     n = int(np.shape(prompt_tokens)[0])
-    if n % self.batch_multiple and jax.process_count() > 1:
+    if n % self.batch_multiple and sharding.spans_processes(self.mesh):
       raise ValueError(
         f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
         f"{dict(self.mesh.shape)}; use a multiple"

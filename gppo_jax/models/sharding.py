@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import io
 import logging
 import math
 import os
@@ -101,12 +102,34 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
 def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh, Mesh]:
   """(training mesh, sampling mesh). With `rollout_devices` = n > 0 the last n devices form the
   sampler's mesh (axes from `mesh_cfg["rollout"]`, by default all data) and the others the
-  trainer's; with 0 both are one mesh over every device."""
+  trainer's; with 0 both are one mesh over every device.
+
+  On several processes n splits evenly over them: each process's last n / processes devices form
+  its own sampler mesh (every device of it on this process, so sampling runs no cross-process
+  collective and each host samples its share of a rollout: `async_rollout.HostShare`), and every
+  process's other devices together form the training mesh."""
   devices = jax.devices() if devices is None else list(devices)
   n = int(mesh_cfg.get("rollout_devices", 0) or 0)
   if not n:
     mesh = make_mesh(mesh_cfg, devices)
     return mesh, mesh
+  sampler_axes = {"data": -1, **mesh_cfg.get("rollout", {})}
+  processes = sorted({d.process_index for d in devices})
+  if len(processes) > 1:
+    per_host = collections.defaultdict(list)
+    for d in devices:
+      per_host[d.process_index].append(d)
+    fewest = min(len(v) for v in per_host.values())
+    if n % len(processes) or n // len(processes) >= fewest:
+      raise errors.ConfigError(
+        f"mesh.rollout_devices={n} on {len(processes)} processes of {fewest} devices each: give "
+        f"each process the same share of sampling devices (a multiple of {len(processes)}) and "
+        f"leave each at least one to train on (at most {(fewest - 1) * len(processes)})"
+      )
+    k = n // len(processes)
+    sampling = {p: v[len(v) - k :] for p, v in per_host.items()}
+    trainer = [d for d in devices if d not in sampling[d.process_index]]
+    return make_mesh(mesh_cfg, trainer), make_mesh(sampler_axes, sampling[jax.process_index()])
   if n >= len(devices):
     raise errors.ConfigError(
       f"mesh.rollout_devices={n}: leaves no device to train on ({len(devices)} devices); "
@@ -114,8 +137,15 @@ def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh,
     )
   return (
     make_mesh(mesh_cfg, devices[: len(devices) - n]),
-    make_mesh({"data": -1, **mesh_cfg.get("rollout", {})}, devices[len(devices) - n :]),
+    make_mesh(sampler_axes, devices[len(devices) - n :]),
   )
+
+
+def spans_processes(mesh: Mesh) -> bool:
+  """Whether `mesh` has devices of another process (then its programs are collective across
+  processes, and every process must run them in the same order)."""
+  me = jax.process_index()
+  return any(d.process_index != me for d in mesh.devices.flat)
 
 
 def check_experts(cfg, mesh_sizes: Mapping[str, int]) -> None:
@@ -224,7 +254,7 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
   device_put of the whole batch.
   """
   n = jax.process_count()
-  if n == 1:  # one transfer call for the whole tree, not a call per leaf
+  if n == 1 or not spans_processes(mesh):  # one transfer call for the tree, not one per leaf
     return jax.device_put(batch_np, batch_shardings(batch_np, mesh))
 
   def put(x):
@@ -239,6 +269,8 @@ def shard_batch(batch_np: Any, mesh: Mesh) -> Any:
 def process_rows(num_rows: int, mesh: Mesh) -> slice:
   """The rows of a global batch of `num_rows` that this process's devices hold under the batch
   sharding: what this process passes to `shard_batch` when every process has the whole batch."""
+  if not spans_processes(mesh):  # this process's own mesh: all of them
+    return slice(0, num_rows)
   sharding = NamedSharding(mesh, partitioning.batch_spec((num_rows,), mesh))
   index = sharding.addressable_devices_indices_map((num_rows,)).values()
   starts = sorted({sl[0].indices(num_rows)[:2] for sl in index})
@@ -253,7 +285,9 @@ def process_rows(num_rows: int, mesh: Mesh) -> slice:
 
 def to_host(tree: Any) -> Any:
   """Global (possibly multi-host) arrays -> full numpy arrays on every process."""
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 or all(
+    getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)
+  ):
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
 
@@ -267,6 +301,78 @@ def global_max(value: int) -> int:
   from jax.experimental import multihost_utils
 
   return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
+# Bytes per value in jax.distributed's key-value store (its messages stay far below gRPC's limits).
+_EXCHANGE_CHUNK = 32 * 2**20
+
+
+def _coordination_client() -> Any:
+  from jax._src import distributed  # noqa: PLC0415 (the one client jax.distributed holds)
+
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("exchanging host arrays across processes needs jax.distributed.initialize")
+  return client
+
+
+def exchange_host_arrays(
+  arrays: Mapping[str, np.ndarray], tag: str, *, timeout_s: float = 3600.0
+) -> list[dict[str, np.ndarray]]:
+  """Every process's `arrays` (numpy, any shapes), in process order, this process's own included.
+
+  Not a device collective: the bytes go through jax.distributed's key-value store (the
+  coordination service), so any thread may call it while other threads run collective programs,
+  with no order to keep between them. Every process calls it once with the same `tag`, which no
+  other call uses (a counter in the tag: `forget_exchange` then drops the call's values once
+  every process is past it). A process that sends nothing within `timeout_s` is an error naming
+  it (the coordination service also stops every process when one dies)."""
+  me, count = jax.process_index(), jax.process_count()
+  if count == 1:
+    return [dict(arrays)]
+  client = _coordination_client()
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  data = buffer.getvalue()
+  parts = [data[i : i + _EXCHANGE_CHUNK] for i in range(0, len(data), _EXCHANGE_CHUNK)]
+  for k, part in enumerate(parts):
+    client.key_value_set_bytes(f"gppo/{tag}/{me}/{k}", part)
+  client.key_value_set(f"gppo/{tag}/{me}/parts", str(len(parts)))  # last: the rest is there
+  timeout_ms = int(timeout_s * 1000)
+  out = []
+  for p in range(count):
+    if p == me:
+      out.append(dict(arrays))
+      continue
+    try:
+      n = int(client.blocking_key_value_get(f"gppo/{tag}/{p}/parts", timeout_ms))
+      blob = b"".join(
+        client.blocking_key_value_get_bytes(f"gppo/{tag}/{p}/{k}", timeout_ms) for k in range(n)
+      )
+    except Exception as e:  # noqa: BLE001 (the client raises its own status errors)
+      raise RuntimeError(
+        f"process {p} sent no '{tag}' arrays within {timeout_s:.0f} s ({type(e).__name__}: {e})"
+      ) from e
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+      out.append({k: z[k] for k in z.files})
+  return out
+
+
+def forget_exchange(tag: str) -> None:
+  """Deletes this process's values of the exchange `tag` (call it once every process has read
+  them: e.g. after the next exchange of the same caller, which each process enters only after
+  reading this one)."""
+  if jax.process_count() == 1:
+    return
+  client = _coordination_client()
+  me = jax.process_index()
+  try:
+    n = int(client.key_value_try_get(f"gppo/{tag}/{me}/parts"))
+  except Exception:  # noqa: BLE001 (not found: nothing to delete)
+    return
+  for k in range(n):
+    client.key_value_delete(f"gppo/{tag}/{me}/{k}")
+  client.key_value_delete(f"gppo/{tag}/{me}/parts")
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

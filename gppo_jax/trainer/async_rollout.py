@@ -18,21 +18,32 @@ With `mesh.rollout_devices` > 0 (sharding.make_meshes) sampling has its own devi
 rollout's policy moves there from the trainer's shardings (with LoRA only the adapters move; the
 frozen base moves once), in the compute dtype where the sampler casts to it anyway (the
 continuous engine), so that half the bytes travel.
+
+On several processes (multi-host) each process's sampler mesh is its own devices
+(`sharding.make_meshes`): the rollout thread then runs no cross-process collective, which two
+threads could otherwise enter in a different order on each host. `HostShare` has each process
+sample its share of a rollout's prompts and exchanges the shares through the coordination
+service, so every process ends with the whole rollout, as a synchronous multi-host run does;
+`ParamSync` gathers the policy on the trainer's mesh (on the main thread, ordered like every
+other collective) and moves this process's copy to its sampler devices.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from gppo_jax.generation import continuous
-from gppo_jax.models import partitioning
+from gppo_jax.generation import sampler as sampler_lib
+from gppo_jax.models import partitioning, sharding
 
 
 def _gib(tree: Any) -> float:
@@ -60,13 +71,20 @@ class ParamSync:
   policy state is the trainer's own.
 
   `state`: the TrainState (concrete: LoRA's frozen base moves once, here). `dtype`: the floating
-  parameters are cast to it before they move (None: as they are)."""
+  parameters are cast to it before they move (None: as they are). On several processes, where
+  the trainer's arrays span processes and the sampler's mesh is this process's own, each move
+  first gathers the arrays whole onto every trainer device (a collective: call it on the
+  thread that runs the updates) and moves this process's copy."""
 
   def __init__(self, state: Any, sampler_mesh: Any | None, dtype: Any = None):
     self.mesh, self.dtype = sampler_mesh, dtype
     self.frozen = None  # the sampler's copy of LoRA's frozen base
+    self.gather = None  # several processes: the trainer's arrays, whole on each trainer device
     if sampler_mesh is None:
       return
+    trainer_mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+    if sharding.spans_processes(trainer_mesh) and not sharding.spans_processes(sampler_mesh):
+      self.gather = jax.jit(lambda tree: tree, out_shardings=sharding.replicated(trainer_mesh))
     self.shardings = partitioning.state_shardings(state.params, sampler_mesh)
     if state.frozen is not None:
       shardings = partitioning.state_shardings(state.frozen, sampler_mesh)
@@ -79,6 +97,8 @@ class ParamSync:
   def _move(self, tree: Any, shardings: Any) -> Any:
     if self.dtype is not None:
       tree = continuous.in_compute_dtype(tree, self.dtype)  # the engine's own cast
+    if self.gather is not None:  # this process's whole copy, from one of its trainer devices
+      tree = jax.tree.map(lambda x: x.addressable_data(0), self.gather(tree))
     return jax.device_put(tree, shardings)
 
   def __call__(self, params: Any, frozen: Any, *, version: int) -> Moved:
@@ -133,3 +153,59 @@ class Ahead:
   def close(self) -> None:
     """Lets the rollout in flight finish (a thread cannot be stopped) and ends the worker."""
     self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class HostShare:
+  """A sampler (`sampler.MeshSampler` or `continuous.EngineSampler` on this process's own
+  sampler mesh) serving a multi-host run's calls: each process samples a contiguous share of
+  the call's prompts (np.array_split of its groups, in process order) and the shares are
+  exchanged through the coordination service (`sharding.exchange_host_arrays`, no device
+  collective), so every process returns the whole output, as `MeshSampler` does.
+
+  A row's draw does not depend on which process samples it: the continuous engine keys each
+  row by its prompt's index in the call and its sample index (`sampler.row_keys`, the keys it
+  uses on one process), and the fixed sampler gets those row keys in place of one key for the
+  batch. The engine's rows are thus those of a one-process run; the fixed sampler's are drawn
+  by other keys than a one-process run's (equally valid draws). Calls are numbered: every
+  process calls in the same order (the rollout thread and an evaluation never overlap:
+  `Run.evaluate` waits for the rollout in flight)."""
+
+  def __init__(self, inner: Any):
+    self.inner = inner
+    self.processes, self.me = jax.process_count(), jax.process_index()
+    # sample_prompts rounds its batches to this: whole shares of whole batch shards.
+    self.batch_multiple = inner.batch_multiple * self.processes
+    self._calls = 0
+    self._lock = threading.Lock()
+
+  def __getattr__(self, name: str) -> Any:  # metrics, stats, ...: this process's share's
+    return getattr(self.inner, name)
+
+  def __call__(self, params, prompt_tokens, prompt_mask, rng, sampling, *, group_size=None):
+    tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
+    if group_size is None:
+      group_size = sampler_lib.detect_group_size(tokens, mask)
+    G = group_size
+    if G < 1 or len(tokens) % G:
+      raise ValueError(f"group_size={G} must be >= 1 and divide the batch ({len(tokens)} rows)")
+    shares = np.array_split(np.arange(len(tokens) // G), self.processes)
+    mine = shares[self.me]
+    with self._lock:
+      call, self._calls = self._calls, self._calls + 1
+    local = {}
+    if len(mine):
+      rows = slice(int(mine[0]) * G, (int(mine[-1]) + 1) * G)
+      if isinstance(self.inner, continuous.EngineSampler):
+        out = self.inner(
+          params, tokens[rows], mask[rows], rng, sampling, group_size=G, prompt_ids=mine
+        )
+      else:
+        keys = sampler_lib.row_keys(rng, np.repeat(mine, G), np.tile(np.arange(G), len(mine)))
+        out = self.inner(params, tokens[rows], mask[rows], keys, sampling, group_size=G)
+      fields = (f.name for f in dataclasses.fields(out))
+      local = {f: np.asarray(getattr(out, f)) for f in fields if getattr(out, f) is not None}
+    parts = sharding.exchange_host_arrays(local, f"rollout/{call}")
+    if call:  # every process has read the previous call's shares (it is in this one)
+      sharding.forget_exchange(f"rollout/{call - 1}")
+    full = {k: np.concatenate([p[k] for p in parts if p]) for k in next(p for p in parts if p)}
+    return sampler_lib.SampleOutput(**full)

@@ -454,9 +454,14 @@ def engine_config(config, mesh) -> continuous.EngineConfig:
   r = config.rollout
   shards = sharding.batch_shards(mesh)
   by_memory = bool(r.get("kv_memory_gib") or r.get("kv_memory_fraction"))
+  # A multi-host run's sampler on this process's own devices samples its share of the prompts
+  # (`async_rollout.HostShare`).
+  prompts = r.prompts_per_iter
+  if jax.process_count() > 1 and not sharding.spans_processes(mesh):
+    prompts = -(-prompts // jax.process_count())
   # 0: every row of a rollout, or with the pool given by memory as many as it holds (each call's
   # `continuous.EngineSampler.slots_for`).
-  slots = r.slots or (0 if by_memory else -(-r.prompts_per_iter * r.group_size // shards) * shards)
+  slots = r.slots or (0 if by_memory else -(-prompts * r.group_size // shards) * shards)
   if slots % shards:
     raise ConfigError(
       f"rollout.slots={slots} must be a multiple of the mesh's {shards} batch shards "
