@@ -272,7 +272,7 @@ def fake_run(
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
     f.write(json.dumps({"step": 0, **evals(0)}) + "\n")
     for step in range(1, config["iterations"] + 1):
-      line = {"step": step, "trust/masked_frac_late": masked}
+      line = {"step": step, "trust/masked_frac_late": masked, "trust/masked_frac": 2 * masked}
       if step % 50 == 0:
         line.update(evals(step // 50))
       if diag and step % 10 == 0:
@@ -362,6 +362,35 @@ def test_outputs_from_run_folders(tmp_path):
   for p in paths["plots"]:
     with open(p, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 10_000
+
+
+def test_a_scale_sweep_reports_accuracy_against_masked_share(tmp_path):
+  """--scales: each cell's final accuracy beside its masked share at each scale (mean over
+  seeds of each run's mean over all updates), in a table and one plot; a single scale has none."""
+  masked = {0.5: 0.02, 1.0: 0.01, 2.0: 0.005}
+  for seed in (0, 1, 2):
+    for cell, offset in (("tv_mc", 0.0), ("kl_atomic", 0.1)):
+      for scale, m in masked.items():
+        final = 0.3 + offset + 0.1 * scale + 0.01 * seed
+        fake_run(tmp_path, sweep.Run(seed, "f_eps", scale, cell), [0.3, final], m)
+  paths = report.write_outputs(str(tmp_path), {"start": "per_seed"})
+  text = open(paths["results_md"]).read()
+  assert "## Accuracy against masked share across scales (f_eps)" in text
+  rows = [x for x in text.splitlines() if x.startswith("| kl_atomic | x")]
+  assert [r.split("|")[2].strip() for r in rows] == ["x0.5", "x1", "x2"]
+  # kl_atomic at x2: final 0.3 + 0.1 + 0.2 + mean seed 0.01 = 61.0%; masked 2 x 0.005 whole run.
+  cols = [c.strip() for c in rows[2].strip("|").split("|")]
+  assert cols[3] == "3" and cols[4] == "1.00%" and cols[5] == "0.50%"
+  assert cols[6].startswith("61.0 [")
+  points = report.scale_points(report.collect(str(tmp_path)))
+  assert [p["masked_mean"] for p in points["f_eps"]["tv_mc"]] == pytest.approx([0.04, 0.02, 0.01])
+  plot = os.path.join(str(tmp_path), "plots", "f_eps_scales.png")
+  assert plot in paths["plots"] and os.path.getsize(plot) > 10_000
+  # One scale: no such section or plot.
+  _fake_grid(tmp_path / "one")
+  one = report.write_outputs(str(tmp_path / "one"), {"start": "per_seed"})
+  assert "across scales" not in open(one["results_md"]).read()
+  assert not any(p.endswith("_scales.png") for p in one["plots"])
 
 
 def test_diagnostics_table_pools_a_divergences_runs_and_pairs_mc_with_atomic(tmp_path):

@@ -165,7 +165,7 @@ def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
     # equal_mask: the cell's calibration (sweep.calibrate: delta, share, target, matched, note)
     "calibration": record.get("calibration"),
   }
-  steps, curve, mask_steps, masked = [], [], [], []
+  steps, curve, mask_steps, masked, masked_all = [], [], [], [], []
   diag_sum: dict[str, float] = {}
   diag_n: dict[str, int] = {}
   logged: set[str] = set()
@@ -179,6 +179,8 @@ def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
     if key in x:
       steps.append(x["step"])
       curve.append(x[key])
+    if "trust/masked_frac" in x:
+      masked_all.append(x["trust/masked_frac"])
     if "trust/masked_frac_late" in x:
       mask_steps.append(x["step"])
       masked.append(x["trust/masked_frac_late"])
@@ -205,6 +207,7 @@ def read_run(path: str, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
     auc=stats.auc(steps, curve) if done and curve else nan,
     best=max(curve) if curve else nan,
     masked_late=float(np.mean(tail)) if tail else nan,
+    masked_mean=float(np.mean(masked_all)) if masked_all else nan,
     curve_steps=steps,
     curve=curve,
     masked_steps=mask_steps,
@@ -297,6 +300,7 @@ CSV_FIELDS = (
   "auc",
   "best",
   "masked_late",
+  "masked_mean",
   "wall_s",
   "status",
   "calibrated_share",
@@ -526,6 +530,7 @@ def results_markdown(
       f"Plots: [heatmap](plots/{tag}_heatmap.png), [learning curves](plots/{tag}_curves.png), "
       f"[masked fraction](plots/{tag}_masked.png){by_q}.",
     ]
+  lines += _scales_section(counted(rows, include_missed))
   failed = [r for r in rows if r["status"].startswith("failed")]
   if failed:
     lines += [
@@ -533,6 +538,63 @@ def results_markdown(
       "Failed runs (see train.log in each folder): " + ", ".join(r["run"] for r in failed),
     ]
   return "\n".join(lines) + "\n"
+
+
+def scale_points(rows: Sequence[dict]) -> dict[str, dict[str, list[dict]]]:
+  """{rule: {cell: [point per scale, by scale]}} for each radius rule that the finished runs of
+  a grid cell cover at two scales or more; a point holds the scale, the delta, the seeds, and
+  the mean over seeds of the final accuracy (with its 95% interval) and of the masked share
+  (over the whole run: `masked_mean`, and the later mini-batches': `masked_late`)."""
+  done = [r for r in rows if r["status"] == "done" and r["cell"] in GRID]
+  out: dict[str, dict[str, list[dict]]] = {}
+  for rule in sorted({r["rule"] for r in done}):
+    ours = [r for r in done if r["rule"] == rule]
+    if len({r["scale"] for r in ours}) < 2:
+      continue
+    cells = sorted({r["cell"] for r in ours}, key=GRID.index)
+    for cell in cells:
+      for scale in sorted({r["scale"] for r in ours if r["cell"] == cell}):
+        runs = [r for r in ours if r["cell"] == cell and r["scale"] == scale]
+        m, lo, hi = stats.mean_ci([r["final"] for r in runs])
+        point = {
+          "scale": scale,
+          "delta": float(np.mean([r["delta_low"] for r in runs])),
+          "seeds": len(runs),
+          "final": m,
+          "final_lo": lo,
+          "final_hi": hi,
+          "masked_mean": float(np.nanmean([r["masked_mean"] for r in runs])),
+          "masked_late": float(np.nanmean([r["masked_late"] for r in runs])),
+        }
+        out.setdefault(rule, {}).setdefault(cell, []).append(point)
+  return out
+
+
+def _scales_section(rows: Sequence[dict]) -> list[str]:
+  """Per rule swept over scales: each cell's final accuracy beside its masked share at each
+  scale, and the plot of one against the other."""
+  lines = []
+  for rule, cells in scale_points(rows).items():
+    lines += [
+      "",
+      f"## Accuracy against masked share across scales ({rule})",
+      "",
+      "Each cell at each scale of its delta: the final accuracy (mean over seeds [95% CI]) and "
+      "the share of tokens the trust region masked (mean over seeds of each run's mean over "
+      "all its updates, and over the later mini-batches of its second half).",
+      "",
+      "| cell | scale | delta | seeds | masked, whole run | masked, late | final [95% CI] |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for cell, points in cells.items():
+      for p in points:
+        lines.append(
+          f"| {cell} | x{p['scale']:g} | {p['delta']:.4g} | {p['seeds']} "
+          f"| {100 * p['masked_mean']:.2f}% | {100 * p['masked_late']:.2f}% "
+          f"| {_pct(p['final'], p['final_lo'], p['final_hi'])} |"
+        )
+    lines += ["", f"Plot: [final accuracy against masked share](plots/{rule}_scales.png)."]
+  return lines
 
 
 def _missed_section(rows: Sequence[dict], include_missed: bool) -> list[str]:
@@ -908,7 +970,42 @@ def write_plots(
     if pools:
       paths.append(os.path.join(plot_dir, f"{tag}_masked_by_q.png"))
       _plot_masked_by_q(plt, paths[-1], pools, tag)
+  for rule, cells in scale_points(rows).items():
+    paths.append(os.path.join(plot_dir, f"{rule}_scales.png"))
+    _plot_scales(plt, paths[-1], cells, rule, curve_label.replace("held-out", "final held-out"))
   return paths
+
+
+def _plot_scales(plt, path: str, cells: dict[str, list[dict]], rule: str, ylabel: str) -> None:
+  """Final accuracy (mean over seeds, 95% CI bars) against the masked share over the whole run,
+  one line per cell through its scales in order, each point labelled with its scale."""
+  fig, ax = plt.subplots(figsize=(7.0, 4.6))
+  for cell, points in cells.items():
+    x = np.array([100 * p["masked_mean"] for p in points])
+    y = np.array([100 * p["final"] for p in points])
+    lo = np.array([100 * p["final_lo"] for p in points])
+    hi = np.array([100 * p["final_hi"] for p in points])
+    bars = np.where(np.isfinite(lo), [y - lo, hi - y], 0.0)
+    ax.errorbar(x, y, yerr=bars, color=_color(cell), marker="o", capsize=3, lw=1.4,
+                label=f"{cell} (n={max(p['seeds'] for p in points)})")  # fmt: skip
+    for p, xi, yi in zip(points, x, y, strict=True):
+      ax.annotate(f"x{p['scale']:g}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                  fontsize=7, color=_color(cell))  # fmt: skip
+  ax.set_xscale("log")
+  from matplotlib import ticker  # noqa: PLC0415 (matplotlib loads with the plots)
+
+  plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 0.5, 1, 2 rather than 5 x 10^-1
+  ax.xaxis.set_major_formatter(plain)
+  ax.xaxis.set_minor_formatter(plain)
+  ax.tick_params(axis="x", which="minor", labelsize=7)
+  ax.set_xlabel("masked share of tokens, mean over the run (%, log scale)")
+  ax.set_ylabel(ylabel)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_title(f"Final accuracy against masked share, delta scaled ({rule})", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def _plot_masked_by_q(plt, path: str, pools: Sequence[tuple[str, list[dict]]], tag: str) -> None:
