@@ -218,3 +218,61 @@ def test_time_model_overlaps_the_phases_it_predicts():
   assert short.sample_s < short.update_s and short.speedup < 1, short
   with pytest.raises(errors.ConfigError, match="rollout_devices"):
     plan.iteration_time(c, cfg, platform="h100", devices=8, rollout_devices=8)
+
+
+@pytest.mark.parametrize("engine", ["fixed", "continuous"])
+def test_host_share_samples_a_share_and_joins_every_hosts(policy, engine, monkeypatch):
+  """Multi-host split sampling, two hosts simulated in one process: each samples a contiguous
+  share of the prompts (3 prompts: 2 and 1) and the shares, joined in process order, are the
+  rows of one call over every prompt with the same row keys (prompt index, sample index): a
+  row's draw does not depend on which host draws it."""
+  from flax import nnx
+
+  from gppo_jax.generation import continuous, sampler
+  from gppo_jax.models import partitioning
+
+  G, N = 2, 12
+  graphdef, params = nnx.split(policy)
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  shardings = partitioning.state_shardings(params, mesh)
+  params = jax.device_put(params, shardings)
+  if engine == "fixed":
+    inner = sampler.MeshSampler(graphdef, shardings)
+  else:
+    inner = continuous.EngineSampler(graphdef, continuous.EngineConfig(slots=2, page_size=4), mesh)
+  sp = sampler.SamplingParams(max_new_tokens=N, temperature=1.0, stop_ids=(2,), pad_id=0)
+  prompts = [[5, 9, 14], [7, 3], [11, 12, 13, 4]]
+  tokens, mask = sampler.left_pad([p for p in prompts for _ in range(G)], pad_id=0, length=6)
+  key = jax.random.key(3)
+
+  class Sent(Exception):
+    pass
+
+  def send_only(arrays, tag):  # host 1: what it would send
+    raise Sent(arrays)
+
+  one = async_rollout.HostShare(inner)
+  one.processes, one.me = 2, 1
+  monkeypatch.setattr(sharding, "exchange_host_arrays", send_only)
+  with pytest.raises(Sent) as sent:
+    one(params, tokens, mask, key, sp, group_size=G)
+  share1 = sent.value.args[0]
+  assert share1["tokens"].shape == (G, N)  # one prompt's rows
+  zero = async_rollout.HostShare(inner)
+  zero.processes, zero.me = 2, 0
+  monkeypatch.setattr(sharding, "exchange_host_arrays", lambda arrays, tag: [arrays, share1])
+  got = zero(params, tokens, mask, key, sp, group_size=G)
+  assert got.tokens.shape == (3 * G, N) and zero.batch_multiple == 2 * inner.batch_multiple
+
+  if engine == "fixed":
+    ids = sampler.row_keys(key, np.repeat(np.arange(3), G), np.tile(np.arange(G), 3))
+    want = inner(params, tokens, mask, ids, sp, group_size=G)
+  else:
+    want = inner(params, tokens, mask, key, sp, group_size=G)  # the engine's own row keys
+  np.testing.assert_array_equal(got.tokens, np.asarray(want.tokens))
+  np.testing.assert_array_equal(got.lengths, np.asarray(want.lengths))
+  np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-5)
+  # Not one key for the whole batch: the rows of a plain call with `key` differ.
+  if engine == "fixed":
+    plain = inner(params, tokens, mask, key, sp, group_size=G)
+    assert not np.array_equal(got.tokens, np.asarray(plain.tokens))

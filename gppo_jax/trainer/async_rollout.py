@@ -173,10 +173,13 @@ class HostShare:
   def __init__(self, inner: Any):
     self.inner = inner
     self.processes, self.me = jax.process_count(), jax.process_index()
-    # sample_prompts rounds its batches to this: whole shares of whole batch shards.
-    self.batch_multiple = inner.batch_multiple * self.processes
     self._calls = 0
     self._lock = threading.Lock()
+
+  @property
+  def batch_multiple(self) -> int:
+    """What `sampler.sample_prompts` rounds its batches to: whole shares of whole batch shards."""
+    return self.inner.batch_multiple * self.processes
 
   def __getattr__(self, name: str) -> Any:  # metrics, stats, ...: this process's share's
     return getattr(self.inner, name)
