@@ -343,12 +343,16 @@ def plan(
   compile: bool = True,
   devices: Any = None,
   backend: str = "tpu",
+  hosts: int = 1,
 ) -> MemoryPlan:
   """The memory plan of `config` on a mesh (default: config.mesh over `devices` / all devices)
   for devices of `backend` (tpu, gpu, cpu: what model.attention="auto" resolves to there).
   With `rollout_devices` > 0 in the mesh config, the update is planned on the trainer's devices
-  and the rollout on the sampler's (`sharding.make_meshes`)."""
-  mesh, sampler_mesh = sharding.make_meshes(dict(mesh_cfg or config.mesh), devices)
+  and the rollout on the sampler's (`sharding.make_meshes`): on `hosts` > 1 hosts, one host's
+  share of them (each host samples on rollout_devices / hosts of its own devices)."""
+  mesh, sampler_mesh = sharding.make_meshes(
+    dict(mesh_cfg or config.mesh), devices, hosts=hosts if hosts > 1 else None
+  )
   split = sampler_mesh is not mesh
   cfg, _ = model_config(config)
   sharding.check_experts(cfg, mesh.shape)
@@ -413,8 +417,9 @@ def plan(
   if split:  # the sampler holds one copy of the policy (in its own shardings), nothing else
     policy = state.params if state.frozen is None else nnx.merge_state(state.frozen, state.params)
     sampler_resident = per_device_bytes(policy, partitioning.state_shardings(policy, sampler_mesh))
+    per_host = f" on each of {hosts} hosts" if hosts > 1 else ""
     notes.append(
-      f"mesh.rollout_devices={sampler_mesh.devices.size}: sampling on its own "
+      f"mesh.rollout_devices={sampler_mesh.devices.size}{per_host}: sampling on its own "
       f"{dict(sampler_mesh.shape)} (its copy of the policy, KV cache and decode logits in the "
       "sampling peak); the update on the other devices"
     )
@@ -657,6 +662,7 @@ def main(argv) -> None:
     compile=not f.analytic,
     devices=devices,
     backend=backend,
+    hosts=f.hosts,
   )
   n, p, r = rollout_shape(config)
   impl = attention_impl(cfg, p + r - 1, backend)
@@ -694,5 +700,8 @@ if __name__ == "__main__":
   flags.DEFINE_float("device_memory_gb", None, "Memory per device (default: the platform's).")
   flags.DEFINE_bool("analytic", False, "Skip compiling; closed-form activation estimate.")
   flags.DEFINE_float("mfu", 0.4, "The time model's share of the chips' peak FLOP/s.")
+  flags.DEFINE_integer(
+    "hosts", 1, "Hosts of the slice: with mesh.rollout_devices each samples on its own share."
+  )
   flags.mark_flags_as_required(["config"])
   cli.run(main)

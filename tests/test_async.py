@@ -188,6 +188,15 @@ def test_plan_sizes_the_sampler_and_the_trainer_apart():
   assert split.sample_peak - split.kv_cache < shared.sample_peak - shared.kv_cache
   assert split.sample_peak >= policy + split.kv_cache
   assert "sampler mesh data=2" in plan.format_plan(split)
+  # On 2 hosts of 4 devices each samples on 1 of its own (the plan sizes one host's sampler).
+  two = plan.plan(c, compile=False, devices=jax.devices()[:8], hosts=2)
+  assert two.mesh["data"] == 6 and two.sampler_mesh["data"] == 1
+  assert any("on each of 2 hosts" in n for n in two.notes)
+  c.mesh.rollout.tensor = 2  # a host's one sampling device cannot hold a tensor axis of 2
+  with pytest.raises(ValueError, match="1 devices are not divisible by 2"):
+    plan.plan(c, compile=False, devices=jax.devices()[:8], hosts=2)
+  with pytest.raises(errors.ConfigError, match="rollout_devices=2 on 4 hosts of 2 devices"):
+    plan.plan(c, compile=False, devices=jax.devices()[:8], hosts=4)
 
 
 def test_time_model_overlaps_the_phases_it_predicts():

@@ -223,7 +223,7 @@ def test_multihost_refuses_what_it_cannot_order(tmp_path):
       ("--config.rollout.mode=async", "--config.rollout.staleness=1"),
       "needs mesh.rollout_devices > 0",
     ),
-    (("--config.mesh.rollout_devices=1",), "give each process the same share"),
+    (("--config.mesh.rollout_devices=1",), "give each host the same share"),
   ):
     port = _free_port()
     procs = [

@@ -99,7 +99,9 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Any = None) -> Mesh:
   return jax.make_mesh(shape, axes, axis_types=auto, devices=devices)
 
 
-def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh, Mesh]:
+def make_meshes(
+  mesh_cfg: Mapping[str, Any], devices: Any = None, *, hosts: int | None = None
+) -> tuple[Mesh, Mesh]:
   """(training mesh, sampling mesh). With `rollout_devices` = n > 0 the last n devices form the
   sampler's mesh (axes from `mesh_cfg["rollout"]`, by default all data) and the others the
   trainer's; with 0 both are one mesh over every device.
@@ -107,29 +109,38 @@ def make_meshes(mesh_cfg: Mapping[str, Any], devices: Any = None) -> tuple[Mesh,
   On several processes n splits evenly over them: each process's last n / processes devices form
   its own sampler mesh (every device of it on this process, so sampling runs no cross-process
   collective and each host samples its share of a rollout: `async_rollout.HostShare`), and every
-  process's other devices together form the training mesh."""
+  process's other devices together form the training mesh. `hosts` (planning a slice on
+  simulated devices): `devices` grouped into that many equal consecutive hosts instead of by
+  process; the sampler mesh returned is the first host's."""
   devices = jax.devices() if devices is None else list(devices)
   n = int(mesh_cfg.get("rollout_devices", 0) or 0)
   if not n:
     mesh = make_mesh(mesh_cfg, devices)
     return mesh, mesh
   sampler_axes = {"data": -1, **mesh_cfg.get("rollout", {})}
-  processes = sorted({d.process_index for d in devices})
+  host_of = {d: d.process_index for d in devices}
+  me = jax.process_index()
+  if hosts:
+    if len(devices) % hosts:
+      raise errors.ConfigError(f"{len(devices)} devices do not split over {hosts} hosts")
+    host_of = {d: i * hosts // len(devices) for i, d in enumerate(devices)}
+    me = 0
+  processes = sorted(set(host_of.values()))
   if len(processes) > 1:
     per_host = collections.defaultdict(list)
     for d in devices:
-      per_host[d.process_index].append(d)
+      per_host[host_of[d]].append(d)
     fewest = min(len(v) for v in per_host.values())
     if n % len(processes) or n // len(processes) >= fewest:
       raise errors.ConfigError(
-        f"mesh.rollout_devices={n} on {len(processes)} processes of {fewest} devices each: give "
-        f"each process the same share of sampling devices (a multiple of {len(processes)}) and "
+        f"mesh.rollout_devices={n} on {len(processes)} hosts of {fewest} devices each: give "
+        f"each host the same share of sampling devices (a multiple of {len(processes)}) and "
         f"leave each at least one to train on (at most {(fewest - 1) * len(processes)})"
       )
     k = n // len(processes)
     sampling = {p: v[len(v) - k :] for p, v in per_host.items()}
-    trainer = [d for d in devices if d not in sampling[d.process_index]]
-    return make_mesh(mesh_cfg, trainer), make_mesh(sampler_axes, sampling[jax.process_index()])
+    trainer = [d for d in devices if d not in sampling[host_of[d]]]
+    return make_mesh(mesh_cfg, trainer), make_mesh(sampler_axes, sampling[me])
   if n >= len(devices):
     raise errors.ConfigError(
       f"mesh.rollout_devices={n}: leaves no device to train on ({len(devices)} devices); "
