@@ -382,6 +382,8 @@ def test_a_scale_sweep_reports_accuracy_against_masked_share(tmp_path):
   cols = [c.strip() for c in rows[2].strip("|").split("|")]
   assert cols[3] == "3" and cols[4] == "1.00%" and cols[5] == "0.50%"
   assert cols[6].startswith("61.0 [")
+  # Paired by seed with tv_mc at x1 (0.4 + 0.01 seed): +0.2 exactly on every seed.
+  assert cols[7] == "+20.0 [+20.0, +20.0] (n=3)"
   points = report.scale_points(report.collect(str(tmp_path)))
   assert [p["masked_mean"] for p in points["f_eps"]["tv_mc"]] == pytest.approx([0.04, 0.02, 0.01])
   plot = os.path.join(str(tmp_path), "plots", "f_eps_scales.png")

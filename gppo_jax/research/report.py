@@ -544,7 +544,9 @@ def scale_points(rows: Sequence[dict]) -> dict[str, dict[str, list[dict]]]:
   """{rule: {cell: [point per scale, by scale]}} for each radius rule that the finished runs of
   a grid cell cover at two scales or more; a point holds the scale, the delta, the seeds, and
   the mean over seeds of the final accuracy (with its 95% interval) and of the masked share
-  (over the whole run: `masked_mean`, and the later mini-batches': `masked_late`)."""
+  (over the whole run: `masked_mean`, and the later mini-batches': `masked_late`), and the
+  paired difference of the final accuracy to tv_mc at scale 1 (`vs_reference`: difference, its
+  95% interval, seeds; None without that reference)."""
   done = [r for r in rows if r["status"] == "done" and r["cell"] in GRID]
   out: dict[str, dict[str, list[dict]]] = {}
   for rule in sorted({r["rule"] for r in done}):
@@ -552,6 +554,7 @@ def scale_points(rows: Sequence[dict]) -> dict[str, dict[str, list[dict]]]:
     if len({r["scale"] for r in ours}) < 2:
       continue
     cells = sorted({r["cell"] for r in ours}, key=GRID.index)
+    reference = {r["seed"]: r["final"] for r in ours if r["cell"] == REFERENCE and r["scale"] == 1}
     for cell in cells:
       for scale in sorted({r["scale"] for r in ours if r["cell"] == cell}):
         runs = [r for r in ours if r["cell"] == cell and r["scale"] == scale]
@@ -565,7 +568,12 @@ def scale_points(rows: Sequence[dict]) -> dict[str, dict[str, list[dict]]]:
           "final_hi": hi,
           "masked_mean": float(np.nanmean([r["masked_mean"] for r in runs])),
           "masked_late": float(np.nanmean([r["masked_late"] for r in runs])),
+          "vs_reference": None,
         }
+        pairs = [(r["final"], reference[r["seed"]]) for r in runs if r["seed"] in reference]
+        if pairs:
+          x = np.asarray(pairs, np.float64)
+          point["vs_reference"] = (*stats.paired_difference_ci(x[:, 0], x[:, 1]), len(pairs))
         out.setdefault(rule, {}).setdefault(cell, []).append(point)
   return out
 
@@ -583,15 +591,20 @@ def _scales_section(rows: Sequence[dict]) -> list[str]:
       "the share of tokens the trust region masked (mean over seeds of each run's mean over "
       "all its updates, and over the later mini-batches of its second half).",
       "",
-      "| cell | scale | delta | seeds | masked, whole run | masked, late | final [95% CI] |",
-      "|---|---|---|---|---|---|---|",
+      f"| cell | scale | delta | seeds | masked, whole run | masked, late | final [95% CI] "
+      f"| final - {REFERENCE} x1 (paired) |",
+      "|---|---|---|---|---|---|---|---|",
     ]
     for cell, points in cells.items():
       for p in points:
+        vs = ""
+        if p["vs_reference"] is not None and not (cell == REFERENCE and p["scale"] == 1):
+          d, lo, hi, n = p["vs_reference"]
+          vs = _pct(d, lo, hi, sign=True) + f" (n={n})"
         lines.append(
           f"| {cell} | x{p['scale']:g} | {p['delta']:.4g} | {p['seeds']} "
           f"| {100 * p['masked_mean']:.2f}% | {100 * p['masked_late']:.2f}% "
-          f"| {_pct(p['final'], p['final_lo'], p['final_hi'])} |"
+          f"| {_pct(p['final'], p['final_lo'], p['final_hi'])} | {vs} |"
         )
     lines += ["", f"Plot: [final accuracy against masked share](plots/{rule}_scales.png)."]
   return lines
