@@ -269,7 +269,10 @@ def test_host_share_samples_a_share_and_joins_every_hosts(policy, engine, monkey
   assert share1["tokens"].shape == (G, N)  # one prompt's rows
   zero = async_rollout.HostShare(inner)
   zero.processes, zero.me = 2, 0
-  monkeypatch.setattr(sharding, "exchange_host_arrays", lambda arrays, tag: [arrays, share1])
+  tags = []
+  monkeypatch.setattr(
+    sharding, "exchange_host_arrays", lambda arrays, tag: tags.append(tag) or [arrays, share1]
+  )
   got = zero(params, tokens, mask, key, sp, group_size=G)
   assert got.tokens.shape == (3 * G, N) and zero.batch_multiple == 2 * inner.batch_multiple
 
@@ -281,6 +284,10 @@ def test_host_share_samples_a_share_and_joins_every_hosts(policy, engine, monkey
   np.testing.assert_array_equal(got.tokens, np.asarray(want.tokens))
   np.testing.assert_array_equal(got.lengths, np.asarray(want.lengths))
   np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-5)
+  # Each call of an instance has its own tag, and no two instances share one (a later run in
+  # the same process must not read an earlier run's values).
+  zero(params, tokens, mask, key, sp, group_size=G)
+  assert tags == [f"{zero._tag}/0", f"{zero._tag}/1"] and zero._tag != one._tag
   # Not one key for the whole batch: the rows of a plain call with `key` differ.
   if engine == "fixed":
     plain = inner(params, tokens, mask, key, sp, group_size=G)

@@ -168,13 +168,19 @@ class HostShare:
   batch. The engine's rows are thus those of a one-process run; the fixed sampler's are drawn
   by other keys than a one-process run's (equally valid draws). Calls are numbered: every
   process calls in the same order (the rollout thread and an evaluation never overlap:
-  `Run.evaluate` waits for the rollout in flight)."""
+  `Run.evaluate` waits for the rollout in flight), and so are the instances (every process
+  builds its runs in the same order), so that a later instance never reads an earlier one's
+  values."""
+
+  _instances = 0  # in this process; the same sequence on every process
 
   def __init__(self, inner: Any):
     self.inner = inner
     self.processes, self.me = jax.process_count(), jax.process_index()
     self._calls = 0
     self._lock = threading.Lock()
+    self._tag = f"rollout/{HostShare._instances}"
+    HostShare._instances += 1
 
   @property
   def batch_multiple(self) -> int:
@@ -207,8 +213,8 @@ class HostShare:
         out = self.inner(params, tokens[rows], mask[rows], keys, sampling, group_size=G)
       fields = (f.name for f in dataclasses.fields(out))
       local = {f: np.asarray(getattr(out, f)) for f in fields if getattr(out, f) is not None}
-    parts = sharding.exchange_host_arrays(local, f"rollout/{call}")
+    parts = sharding.exchange_host_arrays(local, f"{self._tag}/{call}")
     if call:  # every process has read the previous call's shares (it is in this one)
-      sharding.forget_exchange(f"rollout/{call - 1}")
+      sharding.forget_exchange(f"{self._tag}/{call - 1}")
     full = {k: np.concatenate([p[k] for p in parts if p]) for k in next(p for p in parts if p)}
     return sampler_lib.SampleOutput(**full)
