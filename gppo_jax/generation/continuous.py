@@ -1084,11 +1084,7 @@ class EngineSampler:
     force long-tailed lengths with it); prompt_ids: each prompt's id in the row keys (default
     0, 1, ...: a share of a larger call passes its prompts' ids there, and draws their rows)."""
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
-    if group_size is None:
-      group_size = sampler_lib.detect_group_size(tokens, mask)
-    G = group_size
-    if G < 1 or len(tokens) % G:
-      raise ValueError(f"group_size={G} must be >= 1 and divide the batch ({len(tokens)} rows)")
+    G = sampler_lib.call_group_size(tokens, mask, group_size)
     if self.engine.kv_memory_fraction is not None and self.free_bytes is None:
       self.free_bytes = free_memory_bytes(self.engine.kv_memory_fraction, self.mesh)
     slots = self.engine.slots or self.slots_for(params, sampling, tokens.shape[1], G, len(tokens))

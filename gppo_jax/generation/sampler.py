@@ -213,6 +213,19 @@ def detect_group_size(prompt_tokens: np.ndarray, prompt_mask: np.ndarray) -> int
   return int(functools.reduce(math.gcd, np.diff(starts).tolist(), 0)) or 1
 
 
+def call_group_size(
+  prompt_tokens: np.ndarray, prompt_mask: np.ndarray, group_size: int | None
+) -> int:
+  """A sampler call's group size: `group_size`, checked to be >= 1 and to divide the rows, or
+  with None the one the rows show (`detect_group_size`)."""
+  if group_size is None:
+    return detect_group_size(prompt_tokens, prompt_mask)
+  rows = int(np.shape(prompt_tokens)[0])
+  if group_size < 1 or rows % group_size:
+    raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({rows} rows)")
+  return group_size
+
+
 def _truncation_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array | None:
   """Smallest logit kept by top-k then top-p (HF order, top-p on the top-k renormalised), [B, 1]."""
   if top_k <= 0 and top_p >= 1.0:
@@ -700,10 +713,7 @@ class MeshSampler:
         f"{n} prompts do not split over the {self.batch_multiple} batch shards of mesh "
         f"{dict(self.mesh.shape)}; use a multiple"
       )
-    if group_size is None:
-      group_size = detect_group_size(prompt_tokens, prompt_mask)
-    elif group_size < 1 or n % group_size:
-      raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch ({n} rows)")
+    group_size = call_group_size(prompt_tokens, prompt_mask, group_size)
     spec = partitioning.batch_spec((n,), self.mesh)[0] or ()
     shards = math.prod(self.mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec))
     group_size = math.gcd(group_size, n // shards)

@@ -192,11 +192,7 @@ class HostShare:
 
   def __call__(self, params, prompt_tokens, prompt_mask, rng, sampling, *, group_size=None):
     tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask, bool)
-    if group_size is None:
-      group_size = sampler_lib.detect_group_size(tokens, mask)
-    G = group_size
-    if G < 1 or len(tokens) % G:
-      raise ValueError(f"group_size={G} must be >= 1 and divide the batch ({len(tokens)} rows)")
+    G = sampler_lib.call_group_size(tokens, mask, group_size)
     shares = np.array_split(np.arange(len(tokens) // G), self.processes)
     mine = shares[self.me]
     with self._lock:
