@@ -466,6 +466,7 @@ class TimePlan:
   sample_split_s: float  # the rollout on the sampler's devices
   update_split_s: float  # the update on the trainer's devices
   move_s: float  # the policy from the trainer's devices to the sampler's
+  stream_split_s: float  # one update's worth of streamed rows on the sampler's devices
   rollout_devices: int
   devices: int
 
@@ -478,12 +479,21 @@ class TimePlan:
     return max(self.sample_split_s + self.move_s, self.update_split_s)
 
   @property
+  def stream_s(self) -> float:
+    return max(self.stream_split_s + self.move_s, self.update_split_s)
+
+  @property
   def speedup(self) -> float:
     return self.sync_s / self.async_s
+
+  @property
+  def stream_speedup(self) -> float:
+    return self.sync_s / self.stream_s
 
   def as_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d.update(sync_s=self.sync_s, async_s=self.async_s, speedup=self.speedup)
+    d.update(stream_s=self.stream_s, stream_speedup=self.stream_speedup)
     return d
 
 
@@ -499,7 +509,8 @@ def iteration_time(
 ) -> TimePlan:
   """A roofline estimate of one iteration, synchronous (every device samples, then every device
   updates) against asynchronous (`rollout_devices` sample while the rest update, the next
-  rollout beside the current update). What it assumes:
+  rollout beside the current update) and streaming (`rollout.mode=stream` on the same split: the
+  engine never drains). What it assumes:
 
   - the update runs at `mfu` of the chips' bf16 peak on its model FLOPs (`update_flops`, times
     train.epochs) and scales linearly with its devices;
@@ -512,7 +523,11 @@ def iteration_time(
   - the parameters move once per iteration over the chip links (bf16: 2 bytes each; each sampler
     device receives a whole copy, the trainer's shards sending in parallel), and the
     asynchronous iteration is the slower of the two groups (the host's scoring, the engine's
-    scheduling and the optimizer's host work are left out).
+    scheduling and the optimizer's host work are left out);
+  - streaming keeps the rollout's rows in flight, a new row starting as one finishes, so one
+    update's worth of rows takes as many decode steps as the mean response, not the longest
+    (the same cache reads, compute and prefill as a drained rollout; the weights are read fewer
+    times), and overlaps the update as the asynchronous iteration does.
   """
   if platform not in PLATFORM_BF16_TFLOPS:
     raise errors.ConfigError(f"--platform={platform!r}: no peak figures; valid: "
@@ -534,9 +549,9 @@ def iteration_time(
   kv_token = paged.kv_bytes_per_token(cfg)
   update_flops_all = config.train.epochs * update_flops(cfg, n, p + r, r)
 
-  def sample(d: int) -> float:
+  def sample(d: int, steps: float = r) -> float:
     rows = n / d
-    read = r * weight_bytes / hbm + rows * mean * (p + mean / 2) * kv_token / hbm
+    read = steps * weight_bytes / hbm + rows * mean * (p + mean / 2) * kv_token / hbm
     compute = 2 * active * rows * mean / peak
     prefill = 2 * active * rows * p / peak
     return max(read, compute) + prefill
@@ -549,6 +564,7 @@ def iteration_time(
     sample_split_s=sample(rollout_devices),
     update_split_s=update(devices - rollout_devices),
     move_s=weight_bytes / link,  # every sampler device receives a whole copy
+    stream_split_s=sample(rollout_devices, steps=mean),
     rollout_devices=rollout_devices,
     devices=devices,
   )
@@ -560,15 +576,25 @@ def abstract_param_count(cfg: architectures.ModelConfig) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(model_lib.abstract_state(cfg)))
 
 
-def format_time(t: TimePlan, platform: str) -> str:
-  return "\n".join([
+def format_time(t: TimePlan, platform: str, stream: TimePlan | None = None) -> str:
+  """The time model's lines: synchronous and asynchronous from `t`, streaming from `stream` (its
+  own best split; None leaves streaming out: one process only for now)."""
+
+  def split(label: str, x: TimePlan, sample_s: float, total_s: float) -> str:
+    return (f"  {label:<13} sample {sample_s:8.2f} s on {x.rollout_devices} + move "
+            f"{x.move_s:.2f} s | update {x.update_split_s:8.2f} s on "
+            f"{x.devices - x.rollout_devices} = {total_s:8.2f} s")  # fmt: skip
+
+  lines = [
     f"time model ({platform}, {t.devices} devices; assumptions: plan.iteration_time):",
     f"  synchronous   sample {t.sample_s:8.2f} s + update {t.update_s:8.2f} s = {t.sync_s:8.2f} s",
-    f"  asynchronous  sample {t.sample_split_s:8.2f} s on {t.rollout_devices} + move "
-    f"{t.move_s:.2f} s | update {t.update_split_s:8.2f} s on {t.devices - t.rollout_devices}"
-    f" = {t.async_s:8.2f} s",
-    f"  predicted speedup {t.speedup:.2f}x",
-  ])  # fmt: skip
+    split("asynchronous", t, t.sample_split_s, t.async_s),
+  ]
+  speed = f"  predicted speedup {t.speedup:.2f}x asynchronous"
+  if stream is not None:
+    lines.append(split("streaming", stream, stream.stream_split_s, stream.stream_s))
+    speed += f", {stream.stream_speedup:.2f}x streaming"
+  return "\n".join([*lines, speed])
 
 
 def format_plan(p: MemoryPlan, title: str = "") -> str:
@@ -683,9 +709,14 @@ def main(argv) -> None:
     predict = lambda n: iteration_time(
       config, cfg, platform=f.platform, devices=len(devices), rollout_devices=n, mfu=f.mfu
     )
-    times = max((predict(n) for n in tried), key=lambda t: t.speedup)
-    print(format_time(times, f.platform))
+    plans = [predict(n) for n in tried]
+    times = max(plans, key=lambda t: t.speedup)
+    # Streaming overlaps the same way but decodes fewer steps: its best split may differ.
+    stream = max(plans, key=lambda t: t.stream_speedup) if f.hosts == 1 else None
+    print(format_time(times, f.platform, stream))
     out["time"] = times.as_dict()
+    if stream is not None:
+      out["time_stream"] = stream.as_dict()
   print(json.dumps(out))
 
 

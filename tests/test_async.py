@@ -225,6 +225,23 @@ def test_time_model_overlaps_the_phases_it_predicts():
   short = plan.iteration_time(c, qwen, platform="v5p", devices=64, rollout_devices=32)
   assert long.sample_s > long.update_s and long.speedup > 1.1, long
   assert short.sample_s < short.update_s and short.speedup < 1, short
+  # Streaming: the same split, the rows' decode steps the mean response, not the cap. Where every
+  # response runs to the cap it is the asynchronous iteration; a long tail makes it the faster.
+  capped = plan.iteration_time(
+    c, qwen, platform="v5p", devices=64, rollout_devices=32, mean_response=64
+  )
+  assert capped.stream_split_s == capped.sample_split_s and capped.stream_s == capped.async_s
+  c.rollout.max_new_tokens, c.train.epochs = 4096, 1
+  tail = plan.iteration_time(
+    c, qwen, platform="v5p", devices=64, rollout_devices=32, mean_response=512
+  )
+  assert tail.stream_s == max(tail.stream_split_s + tail.move_s, tail.update_split_s)
+  weights = 2 * plan.abstract_param_count(qwen) / (plan.PLATFORM_HBM_GBPS["v5p"] * 1e9)
+  np.testing.assert_allclose(tail.sample_split_s - tail.stream_split_s, (4096 - 512) * weights)
+  assert tail.stream_speedup > tail.speedup > 1, tail
+  text = plan.format_time(tail, "v5p", stream=tail)
+  assert f"{tail.stream_speedup:.2f}x streaming" in text and f"= {tail.stream_s:8.2f} s" in text
+  assert "streaming" not in plan.format_time(tail, "v5p")
   with pytest.raises(errors.ConfigError, match="rollout_devices"):
     plan.iteration_time(c, cfg, platform="h100", devices=8, rollout_devices=8)
 

@@ -428,6 +428,9 @@ def test_plan_reports_per_device_memory_and_fit(tmp_path):
   assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
   assert report["device_memory"] == 16 * 1024**3 and report["fits"]
   assert "FITS: peak" in out.stdout
+  # The time model: the asynchronous split and streaming's own; streaming decodes no more steps.
+  assert report["time"]["devices"] == 4 and "streaming" in out.stdout
+  assert report["time_stream"]["stream_speedup"] >= report["time"]["speedup"] > 0
 
 
 def test_plan_counts_the_unrolled_attention_tiles_cpu_auto_runs():
