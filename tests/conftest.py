@@ -77,6 +77,21 @@ def load_config(name: str, arg: str | None = None):
   return module.get_config(arg)
 
 
+def read_checkpoint_item(path: str):
+  """A saved checkpoint item (e.g. `<workdir>/checkpoints/<step>/state`) read back as host numpy
+  arrays: what a test compares, with no device placement (so no sharding to infer)."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(path)
+  tree = getattr(meta, "item_metadata", meta)
+  tree = getattr(tree, "tree", tree)
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return checkpointer.restore(path, restore_args=args)
+
+
 def one_device_env() -> dict[str, str]:
   """The environment for a child command on one CPU device (no simulated devices), with the
   session's compile flags and compilation cache."""

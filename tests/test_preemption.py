@@ -17,7 +17,6 @@ import types
 import conftest
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from gppo_jax import train
@@ -77,7 +76,7 @@ def tb_events(workdir):
 
 def final_state(workdir, step=ITERATIONS):
   path = os.path.join(workdir, "checkpoints", str(step), "state")
-  return jax.tree.leaves(ocp.PyTreeCheckpointer().restore(path))
+  return jax.tree.leaves(conftest.read_checkpoint_item(path))
 
 
 def assert_same_run(got_dir, want_dir):

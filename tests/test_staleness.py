@@ -5,9 +5,9 @@ import json
 import os
 import shutil
 
+import conftest
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from test_train import load_config
 
@@ -37,7 +37,7 @@ def rows(workdir):
 
 def saved(workdir, step, item):
   path = os.path.join(workdir, "checkpoints", str(step), item)
-  return ocp.PyTreeCheckpointer().restore(path)
+  return conftest.read_checkpoint_item(path)
 
 
 def assert_same(a, b):
