@@ -155,6 +155,35 @@ def _set_up_warmstart_cache():
 _set_up_warmstart_cache()
 
 
+# The files that take longest (their tests' durations summed in a `--durations` run of the whole
+# suite), longest first. xdist hands each worker whole files in collection order
+# (`--no-loadscope-reorder` in pyproject.toml; its default order, most tests first, would leave
+# these few-but-long files to the end, where one worker runs them while the other idles).
+LONGEST_FILES = (
+  "test_multihost.py",
+  "test_continuous.py",
+  "test_train.py",
+  "test_sweep.py",
+  "test_user_xla.py",
+  "test_benchmarks.py",
+  "test_paged_pallas.py",
+  "test_stream.py",
+  "test_lora.py",
+  "test_recipe_e2e.py",
+  "test_async.py",
+  "test_preemption.py",
+  "test_moe.py",
+  "test_staleness.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  """Longest files first (`LONGEST_FILES`), the rest after them in their usual order: with two
+  workers taking whole files, the session ends on short files and both workers stay busy."""
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops JAX's in-memory compiled programs after each test file. Each CPU executable keeps its
