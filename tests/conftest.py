@@ -157,8 +157,9 @@ _set_up_warmstart_cache()
 
 # The files that take longest (their tests' durations summed in a `--durations` run of the whole
 # suite), longest first. xdist hands each worker whole files in collection order
-# (`--no-loadscope-reorder` in pyproject.toml; its default order, most tests first, would leave
-# these few-but-long files to the end, where one worker runs them while the other idles).
+# (`--no-loadscope-reorder` in pyproject.toml; its default order, most tests first, leaves these
+# few-but-long files to the end, where one worker can end up running them alone: a guard on the
+# session's tail; a session bound by its CPU time on two cores ends no sooner for it).
 LONGEST_FILES = (
   "test_multihost.py",
   "test_continuous.py",
@@ -179,7 +180,7 @@ LONGEST_FILES = (
 
 def pytest_collection_modifyitems(items):
   """Longest files first (`LONGEST_FILES`), the rest after them in their usual order: with two
-  workers taking whole files, the session ends on short files and both workers stay busy."""
+  workers taking whole files, the session ends on short files."""
   rank = {name: i for i, name in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
 
